@@ -54,6 +54,11 @@ def _check_groups(name: str, n_rows: int, n_samples_per_prompt: int) -> None:
                          f"n_samples_per_prompt={n_samples_per_prompt}")
 
 
+def _f(x: Tensor) -> Tensor:
+    """x as a float tensor of at least float32 precision (float64 stays float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _masked(x: Tensor, mask: Tensor) -> Tensor:
     """x where mask > 0, else 0 (robust to inf/NaN in padding, unlike x * mask)."""
     return torch.where(mask > 0, x, torch.zeros_like(x))
@@ -106,7 +111,7 @@ def log_probs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
     if logits.shape[:-1] != tokens.shape:
         raise ValueError(f"log_probs_from_logits: logits {tuple(logits.shape)} do not match "
                          f"tokens {tuple(tokens.shape)}")
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(_f(logits), dim=-1)
     return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
@@ -114,7 +119,7 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy of softmax(logits) over the last dim: H = logsumexp(z) - sum_v softmax(z)_v z_v.
 
     logits [B, T, V] -> [B, T]."""
-    z = logits.float()
+    z = _f(logits)
     p = torch.softmax(z, dim=-1)
     return torch.logsumexp(z, dim=-1) - (p * z).sum(dim=-1)
 
@@ -132,7 +137,7 @@ def compute_approx_kl(log_probs: Tensor, ref_log_probs: Tensor, kl_loss_type: st
     low_var_kl is then clamped to [-10, 10]; the others are not clamped.
     """
     _check_shapes("compute_approx_kl", log_probs, ref_log_probs)
-    d = log_probs.float() - ref_log_probs.float()
+    d = _f(log_probs) - _f(ref_log_probs)
     if kl_loss_type == "k1":
         kl = d
     elif kl_loss_type == "k2":
@@ -251,7 +256,7 @@ def grpo_advantages(rewards: Tensor, n_samples_per_prompt: int, normalize_std: b
     if rewards.dim() != 1:
         raise ValueError(f"grpo_advantages: rewards must be [B], got {tuple(rewards.shape)}")
     _check_groups("grpo_advantages", rewards.shape[0], n_samples_per_prompt)
-    g = rewards.float().view(-1, n_samples_per_prompt)
+    g = _f(rewards).view(-1, n_samples_per_prompt)
     centered = g - g.mean(dim=-1, keepdim=True)
     if normalize_std and n_samples_per_prompt > 1:
         centered = centered / (g.std(dim=-1, keepdim=True, unbiased=True) + GRPO_STD_EPS)
@@ -282,8 +287,8 @@ def reinforce_plus_plus_returns(rewards: Tensor, kl: Tensor, mask: Tensor, kl_co
     r_t = -kl_coef kl_t m_t, plus R at the last masked token;
     G_t = sum_{k >= t} gamma^(k - t) r_k; output G m."""
     _check_shapes("reinforce_plus_plus_returns", kl, mask)
-    kl = kl.float()
-    token_rewards = _add_at_last_token(-kl_coef * _masked(kl, mask), rewards.float(), mask)
+    kl = _f(kl)
+    token_rewards = _add_at_last_token(-kl_coef * _masked(kl, mask), _f(rewards), mask)
     return _masked(_discounted_reverse_cumsum(token_rewards, gamma), mask)
 
 
@@ -293,7 +298,7 @@ def reinforce_plus_plus_baseline_advantages(rewards: Tensor, kl: Tensor, mask: T
     R~ = R - mean_g (no std); A_t = (R~ - kl_coef kl_t) m_t."""
     _check_shapes("reinforce_plus_plus_baseline_advantages", kl, mask)
     base = grpo_advantages(rewards, n_samples_per_prompt, normalize_std=False)
-    return _masked(base.unsqueeze(-1) - kl_coef * kl.float(), mask)
+    return _masked(base.unsqueeze(-1) - kl_coef * _f(kl), mask)
 
 
 def gae(rewards: Tensor, values: Tensor, kl: Tensor, mask: Tensor, kl_coef: float, gamma: float,
@@ -309,8 +314,8 @@ def gae(rewards: Tensor, values: Tensor, kl: Tensor, mask: Tensor, kl_coef: floa
     last, has = last_token_index(mask)
     T = mask.shape[-1]
     span = (torch.arange(T, device=mask.device).unsqueeze(0) <= last.unsqueeze(-1)) & has.unsqueeze(-1)
-    v = _masked(values.float(), span)
-    token_rewards = _add_at_last_token(_masked(-kl_coef * kl.float(), span), rewards.float(), mask)
+    v = _masked(_f(values), span)
+    token_rewards = _add_at_last_token(_masked(-kl_coef * _f(kl), span), _f(rewards), mask)
     next_v = torch.cat([v[..., 1:], torch.zeros_like(v[..., :1])], dim=-1)
     deltas = token_rewards + gamma * next_v - v
     adv = _discounted_reverse_cumsum(deltas, gamma * lambd)
@@ -322,7 +327,7 @@ def whiten(values: Tensor, mask: Tensor) -> Tensor:
     mu = sum(A m) / sum(m); var = sum((A - mu)^2 m) / (sum(m) - 1) (Bessel; 0 if sum(m) <= 1);
     A' = (A - mu) / sqrt(var + 1e-8), 0 where mask == 0 (all zeros for an empty mask)."""
     _check_shapes("whiten", values, mask)
-    x = values.float()
+    x = _f(values)
     n = (mask > 0).sum()
     if n == 0:
         return torch.zeros_like(x)
