@@ -345,3 +345,10 @@ def test_pass_at_k_metrics():
     assert m["pass@1"] == pytest.approx(0.375)
     assert m["pass@2"] == pytest.approx((0.5 + 5 / 6) / 2)
     assert m["pass@4"] == pytest.approx(1.0)
+
+
+def test_grpo_equal_fractional_rewards_give_exact_zero():
+    # float32 mean of eight 0.7s is not exactly 0.7; the residual / (std + 1e-6) must not leak
+    for v in (0.7, 0.1, 123.456):
+        a = alg.grpo_advantages(torch.full((8,), v, dtype=torch.float32), 8)
+        assert a.dtype == torch.float32 and (a == 0).all()

@@ -252,15 +252,19 @@ def sft_loss(log_probs: Tensor, mask: Tensor, mode: str = "sample_mean") -> Tens
 def grpo_advantages(rewards: Tensor, n_samples_per_prompt: int, normalize_std: bool = True) -> Tensor:
     """GRPO group-normalised rewards [B] (groups = consecutive runs of n samples):
     R~ = (R - mean_g) / (std_g + 1e-6), std unbiased (N - 1).
-    The std division is skipped when ``normalize_std`` is False (Dr.GRPO) or n == 1."""
+    The std division is skipped when ``normalize_std`` is False (Dr.GRPO) or n == 1.
+    Computed in float64, and a group of equal rewards gets exactly 0: in float32, the rounding
+    residual of mean_g divided by (std_g + 1e-6) ~ 1e-6 would give spurious advantages (0.06 for
+    eight rewards of 0.7)."""
     if rewards.dim() != 1:
         raise ValueError(f"grpo_advantages: rewards must be [B], got {tuple(rewards.shape)}")
     _check_groups("grpo_advantages", rewards.shape[0], n_samples_per_prompt)
-    g = _f(rewards).view(-1, n_samples_per_prompt)
-    centered = g - g.mean(dim=-1, keepdim=True)
+    g = rewards.to(torch.float64).view(-1, n_samples_per_prompt)
+    constant = (g == g[:, :1]).all(dim=-1, keepdim=True)
+    centered = torch.where(constant, torch.zeros_like(g), g - g.mean(dim=-1, keepdim=True))
     if normalize_std and n_samples_per_prompt > 1:
         centered = centered / (g.std(dim=-1, keepdim=True, unbiased=True) + GRPO_STD_EPS)
-    return centered.reshape(-1)
+    return centered.reshape(-1).to(_f(rewards).dtype)
 
 
 def _discounted_reverse_cumsum(x: Tensor, gamma: float) -> Tensor:
@@ -325,15 +329,16 @@ def gae(rewards: Tensor, values: Tensor, kl: Tensor, mask: Tensor, kl_coef: floa
 def whiten(values: Tensor, mask: Tensor) -> Tensor:
     """Masked whitening over the whole batch:
     mu = sum(A m) / sum(m); var = sum((A - mu)^2 m) / (sum(m) - 1) (Bessel; 0 if sum(m) <= 1);
-    A' = (A - mu) / sqrt(var + 1e-8), 0 where mask == 0 (all zeros for an empty mask)."""
+    A' = (A - mu) / sqrt(var + 1e-8), 0 where mask == 0 (all zeros for an empty mask).
+    Statistics are taken in float64 (the result has ``values``' float dtype, >= float32)."""
     _check_shapes("whiten", values, mask)
-    x = _f(values)
+    x = values.to(torch.float64)
     n = (mask > 0).sum()
     if n == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(_f(values))
     mu = _masked(x, mask).sum() / n
     var = _masked((x - mu).pow(2), mask).sum() / (n - 1).clamp(min=1)
-    return _masked((x - mu) * torch.rsqrt(var + WHITEN_EPS), mask)
+    return _masked((x - mu) * torch.rsqrt(var + WHITEN_EPS), mask).to(_f(values).dtype)
 
 
 def compute_advantages(estimator: str, rewards: Tensor, mask: Tensor, n_samples_per_prompt: int,
