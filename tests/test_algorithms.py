@@ -352,3 +352,16 @@ def test_grpo_equal_fractional_rewards_give_exact_zero():
     for v in (0.7, 0.1, 123.456):
         a = alg.grpo_advantages(torch.full((8,), v, dtype=torch.float32), 8)
         assert a.dtype == torch.float32 and (a == 0).all()
+
+
+@pytest.mark.parametrize("est", alg.ADVANTAGE_ESTIMATORS)
+def test_compute_advantages_mask_dtypes_agree(est):
+    kl = t([[0.1, 0.2, 0.3], [0.0, 0.1, 0.0], [0.5, 0.0, 0.0], [1.0, 1.0, 1.0]]).float()
+    values = kl * 0.5
+    outs = [alg.compute_advantages(est, REWARDS.float(), MASK.to(dt), 2, kl=kl, values=values,
+                                   kl_coef=0.1, gamma=0.9, lambd=0.8)
+            for dt in (torch.float32, torch.bool, torch.long)]
+    for adv, ret in outs[1:]:
+        assert adv.dtype == torch.float32
+        torch.testing.assert_close(adv, outs[0][0])
+        torch.testing.assert_close(ret, outs[0][1])

@@ -12,6 +12,9 @@ Conventions
 - Estimator outputs (advantages, returns) are 0 where ``mask == 0``.
 - A row whose mask is all zero contributes nothing: its advantages/returns are 0 and it adds 0 to
   every masked sum (``aggregate_loss`` still counts it as a sample, as slime does).
+- Masked sums use ``torch.where``, so inf/NaN in padding never reaches a forward value; keep
+  padded log-probs finite anyway (e.g. 0): an inf ratio there would still give NaN gradients.
+- Inputs of any float dtype; computations run in at least float32 (float64 stays float64).
 """
 
 from __future__ import annotations
