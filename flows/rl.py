@@ -1,0 +1,171 @@
+"""The RL run as Prefect flows: ``rl_run`` -> ``sft_warmup`` (once) -> ``rl_iteration`` x N.
+
+    rl_iteration(run, i):
+      generate_rollouts(prompts i, weights v)    -> samples
+      score(samples)                             -> rewards
+      write_trajectories(samples)                -> lake commit
+      read_training_slice(run, v, max_staleness) -> unconsumed samples, version >= v - k
+      train(slice)                               -> weights v+1, metrics
+      publish_weights(v+1)                       -> HF checkpoint, engine updated
+      record_train_step + log_metrics            -> train_steps row (the durable point), MLflow
+      evaluate (every eval_interval)             -> evals rows
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from datetime import UTC, datetime
+
+from prefect import flow
+from prefect.settings import temporary_settings
+
+from infra.config import RunConfig, config_from_dict
+from infra.runtime import RUNTIMES, Runtime, open_runtime
+from tasks.eval import evaluate
+from tasks.lake import read_training_slice, record_train_step, write_trajectories
+from tasks.rollout import generate_rollouts, score
+from tasks.sft import sft_train
+from tasks.train import log_metrics, publish_weights, train
+from trainers.metrics import rollout_metrics, staleness
+
+# Measured on these machines: heartbeats off + batched server writers make a flow run per
+# iteration cost ~0.2 s instead of ~1.2 s (shared/DESIGN.md). Only settable this way.
+FAST_FLOW_SETTINGS = {"flows.heartbeat_frequency": None}
+
+
+@contextmanager
+def _phase(timings: dict[str, float], name: str):
+    start = time.perf_counter()
+    yield
+    timings[name] = time.perf_counter() - start
+
+
+@flow(name="sft_warmup")
+def sft_warmup(run_id: str) -> dict[str, float]:
+    """Supervised warm-up (loss_type: sft) to a middling accuracy; publishes weight version 0."""
+    rt = RUNTIMES[run_id]
+    metrics = sft_train(rt)
+    publish_weights(rt, 0)
+    return metrics
+
+
+@flow(name="rl_iteration")
+def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
+    rt = RUNTIMES[run_id]
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    base_version = rt.trainer.weight_version
+    with _phase(timings, "generate"):
+        samples = generate_rollouts(rt, iteration)
+    with _phase(timings, "score"):
+        failed = score(rt, samples)
+    with _phase(timings, "lake_write"):
+        write_trajectories(rt, samples, iteration)
+    with _phase(timings, "slice_read"):
+        training_slice, lake_version = read_training_slice(rt, base_version)
+    with _phase(timings, "train"):
+        train_metrics = train(rt, training_slice)
+    new_version = rt.trainer.weight_version
+    with _phase(timings, "publish"):
+        publish_weights(rt, new_version)
+    versions = training_slice.column("weight_version").to_pylist()
+    metrics = {**rollout_metrics(samples, timings["generate"]), "rollout/failed": float(failed),
+               **{f"train/{k}": v for k, v in train_metrics.items()},
+               **staleness(base_version, versions), "weight_version": float(new_version)}
+    with _phase(timings, "record"):
+        record_train_step(rt, {
+            "run_id": rt.run_id, "step": iteration, "iteration": iteration,
+            "base_version": base_version, "weight_version": new_version, "lake_version": lake_version,
+            "sample_uids": training_slice.column("sample_uid").to_pylist(),
+            "n_samples": training_slice.num_rows,
+            "n_response_tokens": int(sum(len(x) for x in training_slice.column("response_token_ids").to_pylist())),
+            **{k: train_metrics.get(k) for k in ("pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss",
+                                                  "grad_norm")},
+            "entropy": train_metrics.get("entropy_loss"),
+            "staleness_min": metrics["staleness/min"], "staleness_mean": metrics["staleness/mean"],
+            "staleness_max": metrics["staleness/max"],
+            "metrics": json.dumps(metrics), "timings": json.dumps(timings)})
+        log_metrics(rt, {**metrics, **{f"time/{k}": v for k, v in timings.items()}}, iteration)
+    timings["total"] = time.perf_counter() - start
+    metrics.update({f"time/{k}": v for k, v in timings.items()})
+    if (iteration + 1) % rt.cfg.eval.eval_interval == 0 or iteration + 1 == rt.cfg.num_rollout:
+        metrics["eval/accuracy"] = evaluate(rt, iteration + 1)["accuracy"]
+    return metrics
+
+
+def _update_run(rt: Runtime, status: str, **extra) -> None:
+    rt.lake.upsert_run({"run_id": rt.run_id, "config": rt.cfg.model_dump_json(), "status": status,
+                        "mlflow_run_id": rt.tracker.run_id,
+                        "updated_at": datetime.now(UTC), **extra})
+
+
+@flow(name="rl_run")
+def rl_run(config: dict, run_id: str | None = None, resume: bool = False) -> dict:
+    """A whole run: warm-up once, then iterations from the last durable one to ``num_rollout``."""
+    with temporary_settings(updates=FAST_FLOW_SETTINGS):
+        return run_pipeline(config_from_dict(config), run_id, resume)
+
+
+_REPORTER = None
+
+
+def set_reporter(reporter) -> None:
+    """Where live progress goes (the CLI's rich display); a plain callable(event, payload)."""
+    global _REPORTER
+    _REPORTER = reporter
+
+
+def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
+    rt = open_runtime(cfg, run_id, resume)
+    rt.reporter = _REPORTER
+    reporter = rt.report
+    rt.tracker.start(rt.run_id, params=_flat_params(rt.cfg), tags={"rlake.run_id": rt.run_id},
+                     mlflow_run_id=rt.mlflow_run_id)
+    _update_run(rt, "running")
+    try:
+        history = {"eval": []}
+        if rt.start_iteration == 0 and not rt.checkpoint_dir(0).exists():
+            if rt.cfg.sft.enabled and rt.cfg.sft.steps > 0:
+                reporter("sft_start", {"steps": rt.cfg.sft.steps})
+                sft_warmup(rt.run_id)
+            else:
+                publish_weights(rt, 0)
+        if rt.start_iteration == 0 and not _has_eval(rt, 0):
+            acc = evaluate(rt, 0)["accuracy"]
+            history["eval"].append((0, acc))
+            reporter("eval", {"iteration": 0, "accuracy": acc})
+        reporter("rl_start", {"start": rt.start_iteration, "total": rt.cfg.num_rollout})
+        for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
+            metrics = rl_iteration(rt.run_id, iteration)
+            reporter("iteration", {"iteration": iteration, **metrics})
+        _update_run(rt, "completed")
+        rt.tracker.finish("FINISHED")
+        return {"run_id": rt.run_id, "home": str(rt.home), "lake_uri": rt.cfg.resolved_lake_uri,
+                "mlflow_uri": rt.tracker.uri, "checkpoints": str(rt.checkpoint_root)}
+    except BaseException:
+        _update_run(rt, "failed")
+        rt.tracker.finish("FAILED")
+        raise
+    finally:
+        rt.engine.shutdown()
+        RUNTIMES.pop(rt.run_id, None)
+
+
+def _has_eval(rt: Runtime, version: int) -> bool:
+    evals = rt.lake.read("evals", run_id=rt.run_id, columns=["weight_version"])
+    return version in set(evals.column("weight_version").to_pylist())
+
+
+def _flat_params(cfg: RunConfig) -> dict[str, str]:
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, node) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(f"{prefix}{key}.", value)
+            else:
+                out[f"{prefix}{key}"] = str(value)
+    walk("", cfg.model_dump())
+    return out

@@ -1,0 +1,191 @@
+"""Run configuration: pydantic models, loaded from YAML with ``--set a.b=c`` overrides.
+
+Names follow slime's flags where one exists (``rollout_batch_size``, ``n_samples_per_prompt``,
+``eps_clip``, ...). Unknown keys and bad values are rejected with the key in the message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A bad config: the message names the key and what is allowed."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelConfig(_Section):
+    """The tiny Qwen2 the quickstart builds (no download)."""
+
+    num_hidden_layers: int = Field(2, ge=1)
+    hidden_size: int = Field(128, ge=8)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(512, ge=8)
+    max_position_embeddings: int = Field(64, ge=8)
+    tie_word_embeddings: bool = True
+
+
+class ModelConfig(_Section):
+    path: str | None = Field(None, description="HF model folder; None builds the tiny model")
+    tiny: TinyModelConfig = TinyModelConfig()
+
+
+class DataConfig(_Section):
+    task: Literal["addition", "countdown"] | None = Field(
+        "addition", description="built-in synthetic task; None to use prompt_data")
+    prompt_data: str | None = Field(None, description="JSONL/Parquet prompt file (path@[a:b] slices rows)")
+    input_key: str = "prompt"
+    label_key: str = "label"
+    metadata_key: str | None = None
+    held_out_size: int = Field(500, ge=1, description="held-out problems never trained on")
+    rollout_shuffle: bool = True
+
+
+class RolloutConfig(_Section):
+    engine: Literal["torch", "sglang"] = "torch"
+    rollout_batch_size: int = Field(32, ge=1, description="prompts per iteration")
+    n_samples_per_prompt: int = Field(8, ge=1)
+    rollout_max_response_len: int = Field(6, ge=1)
+    rollout_temperature: float = Field(1.0, gt=0)
+    rollout_top_p: float = Field(1.0, gt=0, le=1)
+    rm_type: str = Field("addition", description="reward function name in the registry")
+    custom_rm_path: str | None = None
+
+
+class TrainerConfig(_Section):
+    backend: Literal["torch", "megatron"] = "torch"
+    loss_type: Literal["policy_loss", "sft"] = "policy_loss"
+    advantage_estimator: Literal["grpo", "gspo", "reinforce_plus_plus",
+                                 "reinforce_plus_plus_baseline", "ppo"] = "grpo"
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    global_batch_size: int = Field(256, ge=1, description="samples per optimizer step")
+    micro_batch_size: int = Field(256, ge=1, description="samples per forward/backward")
+    clip_grad: float = Field(1.0, gt=0)
+    eps_clip: float = Field(0.2, gt=0)
+    eps_clip_high: float | None = None
+    eps_clip_c: float | None = Field(None, gt=1)
+    entropy_coef: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    kl_coef: float = 0.0
+    normalize_advantages: bool = False
+    disable_grpo_std_normalization: bool = False
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    loss_aggregation: Literal["sample_mean", "token_mean"] = "sample_mean"
+    gamma: float = 1.0
+    lambd: float = 1.0
+    value_clip: float = 0.2
+    max_staleness: int = Field(0, ge=0, description="k: train on samples with version >= v - k")
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    pipeline_model_parallel_size: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _kl_once(self) -> TrainerConfig:
+        if self.use_kl_loss and self.kl_coef > 0:
+            raise ValueError("use_kl_loss and kl_coef > 0 both put KL in: choose one "
+                             "(KL in the loss or in the reward, not both)")
+        return self
+
+
+class SFTConfig(_Section):
+    """Supervised warm-up before RL (its own Prefect flow, ``loss_type: sft``)."""
+
+    enabled: bool = True
+    steps: int = Field(150, ge=0)
+    batch_size: int = Field(128, ge=1)
+    lr: float = Field(3e-3, gt=0)
+
+
+class EvalConfig(_Section):
+    eval_interval: int = Field(5, ge=1, description="evaluate every N iterations")
+    greedy: bool = True
+
+
+class RunConfig(_Section):
+    """The whole run. ``home`` holds everything a run writes; ``lake_uri`` defaults under it."""
+
+    run_id: str | None = None
+    home: str = "./rlake-home"
+    lake_uri: str | None = None
+    storage_options: dict[str, str] = Field(default_factory=dict)
+    seed: int = 0
+    num_rollout: int = Field(40, ge=0, description="RL iterations (slime: num_rollout)")
+    deterministic: bool = False
+    keep_checkpoints: int = Field(3, ge=1)
+    torch_threads: int = Field(1, ge=1)
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    sft: SFTConfig = SFTConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @property
+    def resolved_lake_uri(self) -> str:
+        return self.lake_uri or str(Path(self.home) / "lake")
+
+
+def _format_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"]) or "(config)"
+    if first["type"] == "extra_forbidden":
+        return f"unknown config key '{key}'"
+    msg = first["msg"].removeprefix("Value error, ")
+    return f"bad config value for '{key}': {msg} (got {first.get('input')!r})"
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``a.b=c`` -> (["a", "b"], yaml-parsed c)."""
+    if "=" not in item:
+        raise ConfigError(f"--set expects key=value, got '{item}'")
+    key, raw = item.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw != "" else None
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item}: '{part}' is not a section")
+        node[path[-1]] = value
+    return data
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read YAML (or nothing: defaults), apply ``--set`` overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{p}: not valid YAML: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of config keys")
+    return config_from_dict(apply_overrides(data, overrides or []))

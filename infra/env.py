@@ -1,0 +1,53 @@
+"""Process environment for a run: state folders, telemetry off, quiet logs, torch threads.
+
+Must run before Prefect or MLflow is imported: both read their settings at import time.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+OFFLINE_ENV = {
+    # nothing leaves the machine
+    "DO_NOT_TRACK": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    # quiet consoles: rlake prints its own progress
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "PREFECT_LOGGING_LEVEL": "WARNING",
+    "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
+    # measured here: the embedded server needs time to start on a loaded 2-core machine, and
+    # batching its writers keeps a flow run per iteration cheap (shared/DESIGN.md)
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "500",
+    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_BATCH_SIZE": "1000",
+    "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "false",
+    "PREFECT_UI_ENABLED": "false",
+}
+
+
+def configure_environment(home: str | Path, torch_threads: int = 1) -> Path:
+    """Point Prefect's state at ``{home}/prefect``, turn telemetry off, pin torch threads.
+
+    Values the user already set in the environment win (so a cluster profile can point
+    PREFECT_API_URL at a server)."""
+    home = Path(home).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    for key, value in OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch_threads))
+    import torch
+
+    torch.set_num_threads(torch_threads)
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    return home

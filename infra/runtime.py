@@ -1,0 +1,165 @@
+"""The run's long-lived state: model files, engine, trainer, lake, tracker, data.
+
+Held by the ``rl_run`` flow (never passed through Prefect results). Everything it knows on a
+resume it reads back from the lake and the checkpoints, never from memory.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from buffer import Lake
+from infra.config import RunConfig, config_from_dict
+from infra.modeling import build_tiny_model, load_tokenizer
+from infra.tracking import Tracker
+from rewards.registry import get_reward_fn
+from rewards.tasks import load_task
+from rollout.data import PromptDataset
+from rollout.engine import RolloutEngine, SamplingParams
+from trainers.torch_trainer import TorchTrainer, seed_everything
+
+RUNTIMES: dict[str, Runtime] = {}
+HELD_OUT = "held_out"
+
+
+def new_run_id() -> str:
+    return datetime.now(UTC).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+def checkpoint_name(version: int) -> str:
+    return f"v{version:06d}"
+
+
+@dataclass
+class Runtime:
+    cfg: RunConfig
+    run_id: str
+    home: Path
+    lake: Lake
+    tracker: Tracker
+    tokenizer: object
+    dataset: PromptDataset
+    held_out: list[dict]
+    engine: RolloutEngine
+    trainer: TorchTrainer
+    reward_fn: object
+    start_iteration: int = 0
+    mlflow_run_id: str | None = None
+    reporter: object = None
+
+    def report(self, event: str, payload: dict) -> None:
+        """Live progress for the CLI (no-op when nobody listens)."""
+        if self.reporter is not None:
+            self.reporter(event, payload)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.home / "runs" / self.run_id
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def checkpoint_dir(self, version: int) -> Path:
+        return self.checkpoint_root / checkpoint_name(version)
+
+    def sampling(self, greedy: bool = False) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(max_new_tokens=r.rollout_max_response_len,
+                              temperature=0.0 if greedy else r.rollout_temperature,
+                              top_p=r.rollout_top_p)
+
+    def prune_checkpoints(self, keep_version: int) -> None:
+        """Keep the newest ``keep_checkpoints`` versions (and always ``keep_version``)."""
+        versions = sorted(int(p.name[1:]) for p in self.checkpoint_root.glob("v[0-9]*")
+                          if p.is_dir() and not p.name.endswith(".tmp"))
+        for v in versions[:-self.cfg.keep_checkpoints]:
+            if v != keep_version:
+                shutil.rmtree(self.checkpoint_dir(v), ignore_errors=True)
+
+    def latest_checkpoint(self) -> int | None:
+        versions = [int(p.name[1:]) for p in self.checkpoint_root.glob("v[0-9]*")
+                    if p.is_dir() and not p.name.endswith(".tmp")]
+        return max(versions) if versions else None
+
+
+def _base_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
+    if cfg.model.path:
+        path = Path(cfg.model.path)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model.path '{path}' is not an HF model folder (no config.json)")
+        return path
+    return build_tiny_model(run_dir / "base_model", cfg.model.tiny, seed=cfg.seed)
+
+
+def _make_engine(cfg: RunConfig, model_dir: Path, tokenizer, version: int) -> RolloutEngine:
+    if cfg.rollout.engine == "torch":
+        from rollout.torch_engine import TorchEngine
+
+        return TorchEngine(str(model_dir), tokenizer.eos_token_id, tokenizer.pad_token_id,
+                           weight_version=version, seed=cfg.seed)
+    from rollout.sglang import SGLangEngine  # noqa: PLC0415 - optional backend
+
+    return SGLangEngine.from_config(cfg, str(model_dir), weight_version=version)
+
+
+def _make_trainer(cfg: RunConfig, model_dir: Path, tokenizer, version: int):
+    if cfg.trainer.backend == "megatron":
+        from trainers.megatron import MegatronTrainer  # noqa: PLC0415 - optional backend
+
+        return MegatronTrainer(cfg, str(model_dir))
+    return TorchTrainer(str(model_dir), cfg.trainer, cfg.rollout.n_samples_per_prompt,
+                        cfg.rollout.rollout_temperature, weight_version=version,
+                        pad_token_id=tokenizer.pad_token_id)
+
+
+def _task_data(cfg: RunConfig) -> tuple[PromptDataset, list[dict]]:
+    if cfg.data.task is None:
+        raise ValueError("data.task is None and prompt files are not supported yet: set data.task")
+    split = load_task(cfg.data.task, cfg.data.held_out_size)
+    return (PromptDataset(split.train, seed=cfg.seed, shuffle=cfg.data.rollout_shuffle,
+                          source=f"builtin:{cfg.data.task}"), split.held_out)
+
+
+def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False) -> Runtime:
+    """Build (or, with ``resume``, restore from the lake + checkpoints) a run's runtime."""
+    home = Path(cfg.home).resolve()
+    lake = Lake(cfg.resolved_lake_uri, cfg.storage_options or None)
+    if resume:
+        row = lake.get_run(run_id)
+        if row is None:
+            raise ValueError(f"no run '{run_id}' in the lake at {cfg.resolved_lake_uri}")
+        cfg = config_from_dict(json.loads(row["config"]))
+    run_id = run_id or cfg.run_id or new_run_id()
+    seed_everything(cfg.seed)
+    run_dir = home / "runs" / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    base = _base_model_dir(cfg, run_dir)
+    tokenizer = load_tokenizer(base)
+    dataset, held_out = _task_data(cfg)
+    tracker = Tracker(home)
+    rt = Runtime(cfg=cfg, run_id=run_id, home=home, lake=lake, tracker=tracker,
+                 tokenizer=tokenizer, dataset=dataset, held_out=held_out, engine=None,
+                 trainer=None, reward_fn=get_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path))
+    start_version, start_iteration = 0, 0
+    model_dir = base
+    if resume:
+        steps = lake.read("train_steps", run_id=run_id, columns=["iteration", "weight_version"])
+        if steps.num_rows:
+            start_iteration = max(steps.column("iteration").to_pylist()) + 1
+            start_version = max(steps.column("weight_version").to_pylist())
+        if rt.checkpoint_dir(start_version).exists():
+            model_dir = rt.checkpoint_dir(start_version)
+        rt.mlflow_run_id = row.get("mlflow_run_id")
+    rt.start_iteration = start_iteration
+    rt.trainer = _make_trainer(cfg, model_dir, tokenizer, start_version)
+    if model_dir != base:
+        rt.trainer.load(str(model_dir))
+    rt.engine = _make_engine(cfg, model_dir, tokenizer, start_version)
+    RUNTIMES[run_id] = rt
+    return rt

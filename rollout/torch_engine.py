@@ -1,0 +1,144 @@
+"""The embedded rollout engine: batched, KV-cached sampling with an HF model in process.
+
+Prompts are left-padded so every row's next token sits in the last column; one forward per new
+token over the whole batch, reusing the KV cache. Returns token ids, the per-token log-probs of
+the sampling distribution (log softmax of logits / temperature), and the finish reason.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from infra.modeling import load_model
+from rollout.fast_decoder import FastDecoder, supports
+from rollout.engine import GenerationResult, SamplingParams
+
+
+def sample_next_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw x ~ softmax(logits / T) restricted to top-k / top-p; return (x, log p(x)).
+
+    ``temperature == 0`` means greedy (log p from softmax(logits)). The log-prob is that of the
+    temperature-scaled distribution before top-k/top-p truncation, as SGLang reports it.
+    """
+    if temperature == 0:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        token = logp.argmax(dim=-1)
+        return token, logp.gather(-1, token[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    masked = logp
+    if top_k > 0 and top_k < logp.shape[-1]:
+        kth = torch.topk(logp, top_k, dim=-1).values[:, -1:]
+        masked = masked.masked_fill(masked < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_lp, order = torch.sort(masked, dim=-1, descending=True)
+        cum = torch.cumsum(sorted_lp.exp(), dim=-1)
+        drop_sorted = (cum - sorted_lp.exp()) > top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        masked = masked.masked_fill(drop, float("-inf"))
+    token = torch.multinomial(masked.exp(), 1, generator=generator).squeeze(-1)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists into (input_ids [B,P], attention_mask [B,P])."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+class TorchEngine:
+    """In-process engine over an HF causal LM. ``update_weights`` reloads an HF checkpoint."""
+
+    name = "torch"
+
+    def __init__(self, model_dir: str, eos_token_id: int, pad_token_id: int,
+                 weight_version: int = 0, seed: int = 0, max_batch_size: int = 512):
+        self.model = load_model(model_dir).eval()
+        self.fast = FastDecoder(self.model) if supports(self.model.config) else None
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self._weight_version = weight_version
+        self.max_batch_size = max_batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def update_weights(self, checkpoint_dir: str, weight_version: int) -> None:
+        self.model = load_model(checkpoint_dir).eval()
+        self.fast = FastDecoder(self.model) if supports(self.model.config) else None
+        self._weight_version = weight_version
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], weight_version: int) -> None:
+        """In-process weight hand-off (no disk round trip) from a trainer in the same process."""
+        self.model.load_state_dict(state_dict)
+        if self.fast is not None:
+            self.fast = FastDecoder(self.model)
+        self._weight_version = weight_version
+
+    def shutdown(self) -> None:
+        self.model = self.fast = None
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[GenerationResult]:
+        if sampling.seed is not None:
+            self.generator.manual_seed(sampling.seed)
+        results: list[GenerationResult] = []
+        for start in range(0, len(prompts), self.max_batch_size):
+            results.extend(self._generate_batch(prompts[start:start + self.max_batch_size], sampling))
+        return results
+
+    def _generate_batch(self, prompts: list[list[int]], sp: SamplingParams) -> list[GenerationResult]:
+        ids, mask = left_pad(prompts, self.pad_token_id)
+        batch, width = ids.shape
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        key_valid = torch.ones((batch, width + sp.max_new_tokens), dtype=torch.bool)
+        key_valid[:, :width] = mask.bool()
+        step = self._stepper(batch, width + sp.max_new_tokens, mask)
+        stop_ids = torch.tensor(sorted({self.eos_token_id, *sp.stop_token_ids}), dtype=torch.long)
+        out_tokens = torch.full((batch, sp.max_new_tokens), self.pad_token_id, dtype=torch.long)
+        out_logps = torch.zeros((batch, sp.max_new_tokens))
+        lengths = torch.zeros(batch, dtype=torch.long)
+        finished = torch.zeros(batch, dtype=torch.bool)
+        stopped = torch.zeros(batch, dtype=torch.bool)
+        step_ids, step_pos, start = ids, positions, 0
+        for t in range(sp.max_new_tokens):
+            logits = step(step_ids, step_pos, key_valid, start)
+            token, logp = sample_next_token(logits, sp.temperature, sp.top_p, sp.top_k, self.generator)
+            token = torch.where(finished, torch.full_like(token, self.pad_token_id), token)
+            out_tokens[:, t] = token
+            out_logps[:, t] = logp
+            lengths += (~finished).long()
+            hit_stop = torch.isin(token, stop_ids) & ~finished
+            stopped |= hit_stop
+            finished |= hit_stop
+            if bool(finished.all()):
+                break
+            start += step_ids.shape[1]
+            step_ids, step_pos = token[:, None], step_pos[:, -1:] + 1
+        return [
+            GenerationResult(token_ids=out_tokens[i, :lengths[i]].tolist(),
+                             logprobs=out_logps[i, :lengths[i]].tolist(),
+                             finish_reason="stop" if stopped[i] else "length")
+            for i in range(batch)
+        ]
+
+    def _stepper(self, batch: int, max_len: int, prompt_mask: torch.Tensor):
+        """A function (ids, positions, key_valid, start) -> last-position logits."""
+        if self.fast is not None:
+            cache = self.fast.new_cache(batch, max_len)
+            return lambda ids, pos, valid, start: self.fast.forward(ids, pos, valid, cache, start)
+        hf_cache = DynamicCache()
+
+        def hf_step(ids, pos, valid, start):
+            attn = valid[:, :start + ids.shape[1]].long()
+            return self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                              past_key_values=hf_cache, use_cache=True).logits[:, -1, :]
+        return hf_step

@@ -1,0 +1,36 @@
+"""Training tasks: train on a slice, publish the new weight version, log metrics."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from infra.runtime import Runtime
+from trainers.base import TrainBatch
+
+
+@task(name="train", cache_policy=NO_CACHE)
+def train(rt: Runtime, training_slice: pa.Table) -> dict[str, float]:
+    if training_slice.num_rows == 0:
+        raise RuntimeError(f"run {rt.run_id}: the training slice is empty "
+                           f"(weight_version {rt.trainer.weight_version})")
+    return rt.trainer.train(TrainBatch.from_arrow(training_slice))
+
+
+@task(name="publish_weights", cache_policy=NO_CACHE)
+def publish_weights(rt: Runtime, weight_version: int) -> str:
+    """Save weights ``v`` as an HF checkpoint (atomic rename) and hand them to the engine."""
+    path = rt.checkpoint_dir(weight_version)
+    rt.trainer.save(str(path))
+    if hasattr(rt.engine, "load_state_dict") and hasattr(rt.trainer, "state_dict"):
+        rt.engine.load_state_dict(rt.trainer.state_dict(), weight_version)
+    else:
+        rt.engine.update_weights(str(path), weight_version)
+    rt.prune_checkpoints(keep_version=weight_version)
+    return str(path)
+
+
+@task(name="log_metrics", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+def log_metrics(rt: Runtime, metrics: dict[str, float], step: int) -> None:
+    rt.tracker.log_metrics(metrics, step)
