@@ -21,6 +21,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset  # noqa: F401  (pa.dataset)
 from deltalake import DeltaTable
 
 from buffer import delta
@@ -205,7 +206,30 @@ class Lake:
             ds = dt.to_pyarrow_dataset(file_pruning_predicate=pred)
             wanted = None if columns is None else [c for c in columns if c in ds.schema.names]
             flt = None if run_id is None else pc.field("run_id") == run_id
-            return conform(ds.to_table(columns=wanted, filter=flt), table, columns)
+            try:
+                data = ds.to_table(columns=wanted, filter=flt)
+            except FileNotFoundError as e:
+                if as_of is None:
+                    raise
+                raise ValueError(f"{table} as of {as_of!r}: its files were removed by vacuum ({e})") from None
+            return conform(data, table, columns)
+
+    def dataset(self, table: str, as_of: int | str | datetime | None = None) -> pa.dataset.Dataset | pa.Table:
+        """An Arrow dataset over ``table`` (now or as of a version/timestamp), for DuckDB & co.
+
+        A table that does not exist yet is an empty Arrow table with the declared schema.
+        """
+        with self._lock:
+            dt = self._snapshot(table, as_of)
+            if dt is None:
+                return arrow_schema(table).empty_table()
+            return dt.to_pyarrow_dataset()
+
+    def sql(self, query: str, as_of: int | str | datetime | dict | None = None) -> pa.Table:
+        """Read-only SQL over the lake tables (see ``buffer.sql.sql``)."""
+        from buffer.sql import sql
+
+        return sql(self, query, as_of=as_of)
 
     def training_slice(self, run_id: str, min_version: int, max_version: int | None = None,
                        unconsumed_only: bool = True, limit: int | None = None) -> pa.Table:
