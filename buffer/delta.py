@@ -1,0 +1,228 @@
+"""Delta-table plumbing: create-on-first-use, idempotent inserts with conflict retry, predicates.
+
+Idempotence and concurrency (appends): check-then-append made safe by Delta application
+transactions. A writer reads the table state, drops the batch's rows whose key already exists
+(reading only the files whose statistics can hold the batch's keys), and appends the rest in one
+commit that carries a ``txn`` action per key scope of the batch (``trajectories/{run_id}/{iteration}``).
+Two writers of the same scope conflict in delta-rs's conflict checker (``CommitFailedError``,
+"Concurrent transaction"): the loser re-reads, re-checks and appends only what is still missing.
+Writers of different scopes never conflict (delta-rs rebases their commits). Measured here: an
+append of 512 rows costs ~10 ms this way against ~35 ms for an insert-only MERGE, which is kept for
+the ``runs`` upsert. An interrupted writer leaves only unreferenced Parquet files (removed by
+``vacuum``); its commit is all-or-nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+from urllib.parse import urlparse
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import CommitProperties, DeltaTable, Transaction, WriterProperties, write_deltalake
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
+
+from buffer.schema import KEYS, PARTITIONS, SCHEMA_VERSION, SCHEMA_VERSION_KEY, arrow_schema
+
+MAX_ATTEMPTS = 200
+ROW_GROUP_SIZE = 4096
+
+
+def is_local(uri: str) -> bool:
+    """True for a plain path or ``file://`` URI (no object store)."""
+    scheme = urlparse(uri).scheme
+    return scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt")
+
+
+def normalize_uri(uri: str) -> str:
+    """Absolute path for local lakes (``file://`` stripped), the URI unchanged otherwise."""
+    if not uri:
+        raise ValueError("lake_uri is empty")
+    if uri.startswith("file://"):
+        uri = uri[len("file://"):]
+    if is_local(uri):
+        return os.path.abspath(os.path.expanduser(uri))
+    return uri.rstrip("/")
+
+
+def sql_literal(value: Any) -> str:
+    """A SQL literal for a predicate: strings quoted with ``'`` doubled, ints as ints.
+
+    Anything else is refused so that a predicate can never be injected through a value.
+    """
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"unsupported predicate literal {value!r}")
+    if isinstance(value, int):
+        return str(int(value))
+    if isinstance(value, str):
+        return "'" + value.replace("'", "''") + "'"
+    raise ValueError(f"unsupported predicate literal {value!r}")
+
+
+def in_list(column: str, values: Iterable[Any]) -> str:
+    """``column IN (v1, v2, ...)`` with quoted literals (``column = v`` for one value)."""
+    vals = sorted(set(values))
+    if len(vals) == 1:
+        return f"{column} = {sql_literal(vals[0])}"
+    return f"{column} IN ({', '.join(sql_literal(v) for v in vals)})"
+
+
+def writer_properties(max_row_group_size: int = ROW_GROUP_SIZE) -> WriterProperties:
+    return WriterProperties(compression="ZSTD", max_row_group_size=max_row_group_size)
+
+
+def open_table(uri: str, storage_options: dict | None, version: int | None = None) -> DeltaTable | None:
+    """The Delta table at ``uri`` (optionally at ``version``), or None if none exists there."""
+    try:
+        return DeltaTable(uri, version=version, storage_options=storage_options)
+    except TableNotFoundError:
+        return None
+
+
+def create_table(uri: str, name: str, storage_options: dict | None) -> DeltaTable:
+    """Create lake table ``name`` at ``uri`` if absent (race-safe) and return it."""
+    if is_local(uri):
+        os.makedirs(uri, exist_ok=True)
+    for attempt in range(20):
+        dt = open_table(uri, storage_options)
+        if dt is not None:
+            return dt
+        try:
+            dt = DeltaTable.create(
+                uri,
+                schema=arrow_schema(name),
+                mode="ignore",
+                partition_by=PARTITIONS.get(name),
+                name=name,
+                description=f"rlake {name} (schema version {SCHEMA_VERSION})",
+                storage_options=storage_options,
+            )
+            set_schema_version(dt)
+            return dt
+        except (CommitFailedError, DeltaError):
+            time.sleep(0.01 * (attempt + 1))  # another process created it first: open it
+    dt = open_table(uri, storage_options)
+    if dt is None:
+        raise RuntimeError(f"could not create lake table {name!r} at {uri}")
+    return dt
+
+
+def set_schema_version(dt: DeltaTable) -> None:
+    """Record ``SCHEMA_VERSION`` in the table's Delta configuration (``rlake.schemaVersion``).
+
+    delta-rs refuses unknown properties at create time, so they are set by a metadata commit.
+    """
+    if dt.metadata().configuration.get(SCHEMA_VERSION_KEY) != str(SCHEMA_VERSION):
+        dt.alter.set_table_properties({SCHEMA_VERSION_KEY: str(SCHEMA_VERSION)}, raise_if_not_exists=False)
+
+
+def dedup_on_key(data: pa.Table, keys: tuple[str, ...]) -> pa.Table:
+    """Keep the first row of each key within one batch."""
+    seen: set[tuple] = set()
+    keep = []
+    cols = [data.column(k).to_pylist() for k in keys]
+    for i, key in enumerate(zip(*cols, strict=True)):
+        if key not in seen:
+            seen.add(key)
+            keep.append(i)
+    return data if len(keep) == data.num_rows else data.take(keep)
+
+
+def backoff(attempt: int) -> float:
+    """Sleep seconds before retry ``attempt``: ``min(0.5, 0.005 * 2**attempt) * U(0.5, 1.5)``."""
+    return min(0.5, 0.005 * 2 ** min(attempt, 10)) * random.uniform(0.5, 1.5)
+
+
+def existing_keys(dt: DeltaTable, keys: tuple[str, ...], prune: str, row_filter: pc.Expression) -> set[tuple]:
+    """Keys already in ``dt`` among the rows matching ``row_filter``, reading only files ``prune`` keeps."""
+    ds = dt.to_pyarrow_dataset(file_pruning_predicate=prune)
+    found = ds.to_table(columns=list(keys), filter=row_filter)
+    return set(zip(*(found.column(k).to_pylist() for k in keys), strict=True))
+
+
+def without_keys(data: pa.Table, keys: tuple[str, ...], present: set[tuple]) -> pa.Table:
+    """Rows of ``data`` whose key is not in ``present``."""
+    if not present:
+        return data
+    if len(keys) == 1:
+        values = pa.array([k[0] for k in present], data.column(keys[0]).type)
+        return data.filter(pc.invert(pc.is_in(data.column(keys[0]), value_set=values)))
+    cols = [data.column(k).to_pylist() for k in keys]
+    keep = [i for i, key in enumerate(zip(*cols, strict=True)) if key not in present]
+    return data.take(pa.array(keep, pa.int64()))
+
+
+def guarded_append(
+    get_table: Callable[[], DeltaTable],
+    name: str,
+    data: pa.Table,
+    guards: list[str],
+    prune: str,
+    row_filter: pc.Expression,
+) -> int | None:
+    """Append the rows of ``data`` whose key is absent, exactly once, even under concurrency.
+
+    Optimistic concurrency: read the table state, find which keys of the batch exist among the
+    rows the batch could collide with (``prune``: file-pruning predicate, ``row_filter``: exact
+    filter), and append the rest as one commit carrying a Delta application transaction
+    (``txn`` action) for every ``guards`` id, version = last seen + 1. A concurrent commit carrying
+    the same guard id makes ours fail with ``CommitFailedError``; we then re-read and re-check.
+    Guards name the batch's key scope (e.g. ``trajectories/{run_id}/{iteration}``), so writers
+    of different scopes never conflict. Returns the committed version, or None if nothing was new.
+    """
+    keys = KEYS[name]
+    last: Exception | None = None
+    for attempt in range(MAX_ATTEMPTS):
+        dt = get_table()
+        new = without_keys(data, keys, existing_keys(dt, keys, prune, row_filter))
+        if new.num_rows == 0:
+            return None
+        txns = [Transaction(g, (dt.transaction_version(g) or 0) + 1) for g in guards]
+        props = CommitProperties(custom_metadata={"rlake.operation": f"append_{name}",
+                                                  "rlake.rows": new.num_rows},
+                                 app_transactions=txns)
+        try:
+            write_deltalake(dt, new, mode="append", schema_mode="merge", commit_properties=props)
+        except CommitFailedError as e:
+            last = e
+            time.sleep(backoff(attempt))
+            continue
+        return dt.version()
+    raise RuntimeError(f"{name}: gave up after {MAX_ATTEMPTS} conflicting commits: {last}")
+
+
+def merge_upsert(
+    get_table: Callable[[], DeltaTable],
+    name: str,
+    data: pa.Table,
+    scope: str,
+    update_columns: list[str],
+) -> int | None:
+    """Insert rows whose key is absent; set ``update_columns`` from the source where present.
+
+    One Delta MERGE (``scope``: predicate on target alias ``t`` true for every row of the batch,
+    used for file pruning); conflicting commits are retried. Returns the version or None.
+    """
+    on = " AND ".join(f"t.{k} = s.{k}" for k in KEYS[name])
+    predicate = f"({scope}) AND {on}" if scope else on
+    props = CommitProperties(custom_metadata={"rlake.operation": f"upsert_{name}"})
+    last: Exception | None = None
+    for attempt in range(MAX_ATTEMPTS):
+        dt = get_table()
+        try:
+            merger = dt.merge(data, predicate=predicate, source_alias="s", target_alias="t",
+                              merge_schema=True, streamed_exec=False, commit_properties=props)
+            if update_columns:
+                merger = merger.when_matched_update({c: f"s.{c}" for c in update_columns})
+            metrics = merger.when_not_matched_insert_all().execute()
+        except CommitFailedError as e:
+            last = e
+            time.sleep(backoff(attempt))
+            continue
+        changed = metrics.get("num_target_rows_inserted", 0) + metrics.get("num_target_rows_updated", 0)
+        return dt.version() if changed else None
+    raise RuntimeError(f"{name}: gave up after {MAX_ATTEMPTS} conflicting commits: {last}")

@@ -1,0 +1,304 @@
+"""The lake: four Delta tables under one root, idempotent appends, staleness slices, time travel.
+
+    lake = Lake("/path/to/lake")                     # or "s3://bucket/lake", storage_options={...}
+    v = lake.append_trajectories(rows)               # Delta version written, None if nothing new
+    batch = lake.training_slice(run_id, min_version=v - k)
+
+Every append is one Delta commit made by an insert-only MERGE on the table's key (see
+``buffer.delta``): writing the same rows twice, or from several processes at once, leaves exactly one
+copy of each key. Nothing is ever deleted by this class.
+
+One ``Lake`` object may be shared by threads (operations are serialized by a lock). Processes must
+each open their own (``deltalake``'s runtime does not survive ``fork``: use the ``spawn`` start
+method for process pools that touch the lake).
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset  # noqa: F401  (pa.dataset)
+from deltalake import DeltaTable
+
+from buffer import delta
+from buffer.schema import KEYS, SCHEMA_VERSION_KEY, TABLES, arrow_schema, columns, conform, rows_to_table
+
+LAKE_VERSION_KEY = b"rlake.lake_version"
+SLICE_ORDER = [("weight_version", "ascending"), ("iteration", "ascending"), ("sample_index", "ascending")]
+
+
+def parse_as_of(as_of: int | str | datetime | None) -> int | datetime | None:
+    """A Delta version (int, or a string of digits) or a point in time (ISO 8601; naive = UTC)."""
+    if as_of is None or isinstance(as_of, int | datetime):
+        if isinstance(as_of, bool):
+            raise ValueError(f"as_of must be a version or an ISO timestamp, not {as_of!r}")
+        if isinstance(as_of, datetime) and as_of.tzinfo is None:
+            return as_of.replace(tzinfo=UTC)
+        return as_of
+    text = str(as_of).strip()
+    if text.isdigit():
+        return int(text)
+    try:
+        ts = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"as_of {as_of!r} is neither a Delta version nor an ISO timestamp") from None
+    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
+
+
+def slice_lake_version(table: pa.Table) -> int | None:
+    """The ``trajectories`` Delta version a ``training_slice`` result was read at."""
+    meta = table.schema.metadata or {}
+    return int(meta[LAKE_VERSION_KEY]) if LAKE_VERSION_KEY in meta else None
+
+
+def scope_pairs(data: pa.Table, part: str, num: str) -> list[tuple[str, int]]:
+    """Distinct (``part``, ``num``) pairs of a batch, e.g. (run_id, iteration), sorted."""
+    if data.num_rows == 0:
+        return []
+    return sorted(set(zip(data.column(part).to_pylist(), data.column(num).to_pylist(), strict=True)))
+
+
+def scope_filter(scopes: list[tuple[str, int]], part: str, num: str) -> tuple[str, pc.Expression]:
+    """(file-pruning SQL, exact row filter) selecting the rows whose (part, num) is in ``scopes``.
+
+    The SQL is ``part IN (...) AND num >= lo AND num <= hi`` (a superset: file statistics only
+    prune on bounds); the row filter is the exact OR over the pairs.
+    """
+    if not scopes:
+        return "false", pc.scalar(False)
+    nums = [n for _, n in scopes]
+    prune = (f"{delta.in_list(part, [p for p, _ in scopes])} AND {num} >= {min(nums)} "
+             f"AND {num} <= {max(nums)}")
+    exact = None
+    for p_value, n_value in scopes:
+        term = (pc.field(part) == p_value) & (pc.field(num) == n_value)
+        exact = term if exact is None else exact | term
+    return prune, exact
+
+
+class Lake:
+    """The trajectory lake rooted at ``lake_uri`` (a folder or an object-store URI)."""
+
+    def __init__(self, lake_uri: str, storage_options: dict | None = None) -> None:
+        self.uri = delta.normalize_uri(str(lake_uri))
+        self.storage_options = dict(storage_options) if storage_options else None
+        self._tables: dict[str, DeltaTable] = {}
+        self._lock = threading.RLock()
+
+    def __repr__(self) -> str:
+        return f"Lake({self.uri!r})"
+
+    # -- tables ---------------------------------------------------------------------------------
+    def table_uri(self, table: str) -> str:
+        columns(table)  # validates the name
+        return f"{self.uri}/{table}"
+
+    def _table(self, table: str, create: bool = False) -> DeltaTable | None:
+        """The cached DeltaTable of ``table`` brought up to date, created if ``create``."""
+        dt = self._tables.get(table)
+        if dt is not None:
+            dt.update_incremental()
+            return dt
+        uri = self.table_uri(table)
+        dt = delta.create_table(uri, table, self.storage_options) if create else delta.open_table(
+            uri, self.storage_options)
+        if dt is not None:
+            self._tables[table] = dt
+        return dt
+
+    def _snapshot(self, table: str, as_of: int | str | datetime | None) -> DeltaTable | None:
+        """``table`` at its current version, or as of a Delta version / timestamp."""
+        when = parse_as_of(as_of)
+        if when is None:
+            return self._table(table)
+        dt = delta.open_table(self.table_uri(table), self.storage_options)
+        if dt is None:
+            return None
+        try:
+            dt.load_as_version(when)
+        except Exception as e:  # deltalake raises several types for a missing version
+            raise ValueError(f"{table}: cannot read as of {as_of!r}: {e}") from None
+        return dt
+
+    def table_version(self, table: str) -> int | None:
+        """Current Delta version of ``table``; None if it does not exist yet."""
+        with self._lock:
+            dt = self._table(table)
+            return None if dt is None else dt.version()
+
+    def schema_version(self, table: str) -> int | None:
+        """The ``rlake.schemaVersion`` recorded in ``table``'s Delta configuration."""
+        with self._lock:
+            dt = self._table(table)
+            if dt is None:
+                return None
+            value = dt.metadata().configuration.get(SCHEMA_VERSION_KEY)
+            return None if value is None else int(value)
+
+    # -- writes ---------------------------------------------------------------------------------
+    def _append(self, table: str, data: pa.Table, guards: list[str], prune: str,
+                row_filter: pc.Expression) -> int | None:
+        if data.num_rows == 0:
+            return None
+        data = delta.dedup_on_key(data, KEYS[table])
+        with self._lock:
+            return delta.guarded_append(lambda: self._table(table, create=True), table, data,
+                                        guards, prune, row_filter)
+
+    def append_trajectories(self, rows: list[dict[str, Any]] | pa.Table) -> int | None:
+        """Append trajectory rows; rows whose ``sample_uid`` is already present are skipped.
+
+        One Delta commit; returns its version, or None when every row was already there.
+        ``created_at`` is stamped (UTC now) where missing. Safe to call concurrently from several
+        processes and to repeat (task retries, resumes).
+        """
+        data = rows_to_table("trajectories", rows)
+        scopes = scope_pairs(data, "run_id", "iteration")
+        return self._append("trajectories", data, [f"rlake/trajectories/{r}/{i}" for r, i in scopes],
+                            *scope_filter(scopes, "run_id", "iteration"))
+
+    def append_train_step(self, row: dict[str, Any]) -> int | None:
+        """Record one train step; idempotent on (run_id, step). Returns the version or None."""
+        data = rows_to_table("train_steps", [row])
+        scopes = scope_pairs(data, "run_id", "step")
+        return self._append("train_steps", data, [f"rlake/train_steps/{r}/{s}" for r, s in scopes],
+                            *scope_filter(scopes, "run_id", "step"))
+
+    def append_evals(self, rows: list[dict[str, Any]]) -> int | None:
+        """Record eval metrics; idempotent on (run_id, weight_version, dataset, metric)."""
+        data = rows_to_table("evals", rows)
+        scopes = scope_pairs(data, "run_id", "weight_version")
+        return self._append("evals", data, [f"rlake/evals/{r}/{v}" for r, v in scopes],
+                            *scope_filter(scopes, "run_id", "weight_version"))
+
+    def upsert_run(self, row: dict[str, Any]) -> None:
+        """Insert the run, or update in place the columns given in ``row`` (and ``updated_at``).
+
+        ``created_at`` of an existing run is never changed; columns absent from ``row`` keep
+        their value.
+        """
+        if "run_id" not in row or not row["run_id"]:
+            raise ValueError("upsert_run: row needs a non-empty 'run_id'")
+        now = datetime.now(UTC)
+        row = {**row, "updated_at": row.get("updated_at") or now}
+        data = rows_to_table("runs", [row], now=now)
+        update = [c for c in row if c not in ("run_id", "created_at")]
+        with self._lock:
+            delta.merge_upsert(lambda: self._table("runs", create=True), "runs", data,
+                               f"t.run_id = {delta.sql_literal(row['run_id'])}", update)
+
+    # -- reads ----------------------------------------------------------------------------------
+    def read(self, table: str, run_id: str | None = None, as_of: int | str | datetime | None = None,
+             columns: list[str] | None = None) -> pa.Table:
+        """``table`` (optionally one run's rows, some columns) now or as of a version/timestamp.
+
+        Columns added to the schema after the data was written read as nulls.
+        """
+        with self._lock:
+            dt = self._snapshot(table, as_of)
+            if dt is None:
+                return conform(arrow_schema(table).empty_table(), table, columns)
+            pred = None if run_id is None else f"run_id = {delta.sql_literal(run_id)}"
+            ds = dt.to_pyarrow_dataset(file_pruning_predicate=pred)
+            wanted = None if columns is None else [c for c in columns if c in ds.schema.names]
+            flt = None if run_id is None else pc.field("run_id") == run_id
+            try:
+                data = ds.to_table(columns=wanted, filter=flt)
+            except FileNotFoundError as e:
+                if as_of is None:
+                    raise
+                raise ValueError(f"{table} as of {as_of!r}: its files were removed by vacuum ({e})") from None
+            return conform(data, table, columns)
+
+    def dataset(self, table: str, as_of: int | str | datetime | None = None) -> pa.dataset.Dataset | pa.Table:
+        """An Arrow dataset over ``table`` (now or as of a version/timestamp), for DuckDB & co.
+
+        A table that does not exist yet is an empty Arrow table with the declared schema.
+        """
+        with self._lock:
+            dt = self._snapshot(table, as_of)
+            if dt is None:
+                return arrow_schema(table).empty_table()
+            return dt.to_pyarrow_dataset()
+
+    def sql(self, query: str, as_of: int | str | datetime | dict | None = None) -> pa.Table:
+        """Read-only SQL over the lake tables (see ``buffer.sql.sql``)."""
+        from buffer.sql import sql
+
+        return sql(self, query, as_of=as_of)
+
+    def training_slice(self, run_id: str, min_version: int, max_version: int | None = None,
+                       unconsumed_only: bool = True, limit: int | None = None) -> pa.Table:
+        """Train samples of ``run_id`` with ``min_version <= weight_version <= max_version``.
+
+        With ``unconsumed_only``, samples named in any ``train_steps.sample_uids`` of the run are
+        excluded. Rows come oldest first (weight_version, iteration, sample_index); ``limit`` keeps
+        the first ``limit``. Only files whose Delta statistics can match are opened. The result's
+        schema metadata holds the ``trajectories`` version read (``slice_lake_version``).
+        """
+        with self._lock:
+            dt = self._table("trajectories")
+            if dt is None:
+                return conform(arrow_schema("trajectories").empty_table(), "trajectories")
+            version = dt.version()
+            pred = (f"run_id = {delta.sql_literal(run_id)} AND kind = 'train' "
+                    f"AND weight_version >= {int(min_version)}")
+            flt = ((pc.field("run_id") == run_id) & (pc.field("kind") == "train")
+                   & (pc.field("weight_version") >= int(min_version)))
+            if max_version is not None:
+                pred += f" AND weight_version <= {int(max_version)}"
+                flt &= pc.field("weight_version") <= int(max_version)
+            if unconsumed_only:
+                consumed = self._consumed(run_id, min_version)
+                if consumed:
+                    flt &= ~pc.field("sample_uid").isin(pa.array(sorted(consumed), pa.string()))
+            data = dt.to_pyarrow_dataset(file_pruning_predicate=pred).to_table(filter=flt)
+        data = conform(data, "trajectories").sort_by(SLICE_ORDER)
+        if limit is not None:
+            data = data.slice(0, max(0, int(limit)))
+        meta = {**(data.schema.metadata or {}), LAKE_VERSION_KEY: str(version).encode()}
+        return data.replace_schema_metadata(meta)
+
+    def _consumed(self, run_id: str, min_version: int | None = None) -> set[str]:
+        """sample_uids consumed by ``run_id``'s train steps.
+
+        With ``min_version``, only steps that can have consumed a sample of version >=
+        ``min_version`` are read: a sample generated by version w is trained on by a step whose
+        ``base_version >= w``, so steps with ``base_version < min_version`` are skipped (steps with
+        no base_version are always read).
+        """
+        dt = self._table("train_steps")
+        if dt is None:
+            return set()
+        pred = f"run_id = {delta.sql_literal(run_id)}"
+        flt = pc.field("run_id") == run_id
+        if min_version is not None:
+            pred += f" AND (base_version >= {int(min_version)} OR base_version IS NULL)"
+            flt &= (pc.field("base_version") >= int(min_version)) | pc.field("base_version").is_null()
+        ds = dt.to_pyarrow_dataset(file_pruning_predicate=pred)
+        uids = ds.to_table(columns=["sample_uids"], filter=flt).column("sample_uids")
+        return set(pc.list_flatten(uids).to_pylist()) if len(uids) else set()
+
+    def consumed_sample_uids(self, run_id: str) -> set[str]:
+        """Every sample_uid consumed by a recorded train step of ``run_id``."""
+        with self._lock:
+            return self._consumed(run_id)
+
+    def get_run(self, run_id: str) -> dict[str, Any] | None:
+        """The ``runs`` row of ``run_id`` as a dict, or None."""
+        rows = self.read("runs", run_id=run_id).to_pylist()
+        return rows[0] if rows else None
+
+    def samples_for_weight_version(self, run_id: str, weight_version: int) -> list[str]:
+        """Lineage: sample_uids consumed by the steps of ``run_id`` that produced ``weight_version``."""
+        steps = self.read("train_steps", run_id=run_id, columns=["weight_version", "sample_uids"])
+        mask = pc.equal(steps.column("weight_version"), int(weight_version))
+        return pc.list_flatten(steps.filter(mask).column("sample_uids")).to_pylist()
+
+    def tables(self) -> list[str]:
+        """Names of the lake tables that exist."""
+        return [t for t in TABLES if self.table_version(t) is not None]

@@ -1,0 +1,93 @@
+"""Lake maintenance: compaction, vacuum, history.
+
+Appends write one small file per batch; ``compact`` rewrites a table's small files into larger
+ones whose Parquet row groups stay small (``max_row_group_size``), so slice reads keep skipping
+row groups by statistics. By default it also sorts the rewritten data by the table's slice column
+(``weight_version`` for trajectories) so per-file min/max statistics stay tight. Compaction changes
+no data (``dataChange=false``): concurrent appends and slices are unaffected.
+
+``vacuum`` deletes files no longer referenced by versions newer than the retention period
+(default 7 days) and files never committed (left by an interrupted writer). Time travel to a
+version whose files were vacuumed is no longer possible.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from deltalake import WriterProperties
+
+from buffer.delta import ROW_GROUP_SIZE
+from buffer.lake import Lake
+
+DEFAULT_RETENTION_HOURS = 168
+TARGET_FILE_SIZE = 128 * 1024 * 1024
+SORT_COLUMNS: dict[str, list[str]] = {
+    "trajectories": ["weight_version", "iteration"],
+    "train_steps": ["base_version", "step"],
+    "evals": ["weight_version"],
+}
+
+
+def _table_or_error(lake: Lake, table: str):
+    dt = lake._table(table)
+    if dt is None:
+        raise ValueError(f"lake table {table!r} does not exist under {lake.uri}")
+    return dt
+
+
+def compact(lake: Lake, table: str = "trajectories", run_id: str | None = None,
+            max_row_group_size: int = ROW_GROUP_SIZE, target_size: int = TARGET_FILE_SIZE,
+            sort: bool = True, checkpoint: bool = True) -> dict[str, Any]:
+    """Rewrite ``table``'s small files (one run's partition if ``run_id``); return the metrics.
+
+    ``sort`` orders rewritten rows by ``SORT_COLUMNS[table]`` (a Z-order on those columns);
+    otherwise files are bin-packed as they are. ``checkpoint`` writes a Delta checkpoint after,
+    so opening the table reads one Parquet file instead of every JSON commit.
+    """
+    with lake._lock:
+        dt = _table_or_error(lake, table)
+        props = WriterProperties(compression="ZSTD", max_row_group_size=max_row_group_size)
+        parts = [("run_id", "=", run_id)] if run_id is not None and table == "trajectories" else None
+        cols = SORT_COLUMNS.get(table) if sort else None
+        if cols:
+            metrics = dt.optimize.z_order(cols, partition_filters=parts, target_size=target_size,
+                                          writer_properties=props)
+        else:
+            metrics = dt.optimize.compact(partition_filters=parts, target_size=target_size,
+                                          writer_properties=props)
+        if checkpoint:
+            dt.create_checkpoint()
+        return {"table": table, "version": dt.version(), **metrics}
+
+
+def vacuum(lake: Lake, table: str = "trajectories", retention_hours: int = DEFAULT_RETENTION_HOURS,
+           dry_run: bool = False) -> list[str]:
+    """Delete unreferenced files older than ``retention_hours``; returns the files (to be) deleted.
+
+    A retention under the table's ``delta.deletedFileRetentionDuration`` (7 days by default) is
+    accepted: the caller chose it explicitly.
+    """
+    if retention_hours < 0:
+        raise ValueError(f"retention_hours must be >= 0, got {retention_hours}")
+    with lake._lock:
+        dt = _table_or_error(lake, table)
+        return dt.vacuum(retention_hours=retention_hours, dry_run=dry_run,
+                         enforce_retention_duration=False, full=True)
+
+
+def history(lake: Lake, table: str = "trajectories", limit: int | None = None) -> list[dict[str, Any]]:
+    """The table's commits, newest first: version, timestamp (UTC ISO), operation, parameters, metrics."""
+    with lake._lock:
+        dt = _table_or_error(lake, table)
+        out = []
+        for entry in dt.history(limit):
+            ts = entry.get("timestamp")
+            out.append({
+                "version": entry.get("version"),
+                "timestamp": datetime.fromtimestamp(ts / 1000, UTC).isoformat() if ts else None,
+                "operation": entry.get("operation"),
+                **{k: v for k, v in entry.items() if k not in ("version", "timestamp", "operation")},
+            })
+        return out

@@ -1,0 +1,161 @@
+"""CLI for the lake: ``rlake sql`` (``sql_command``) and ``rlake lake compact|vacuum|history``.
+
+Mounted into the main CLI by ``infra/cli.py``::
+
+    app.add_typer(lake_app, name="lake")
+    app.command("sql")(sql_command)
+
+The lake is chosen with ``--lake URI`` (default ``$RLAKE_LAKE_URI``, else ``./rlake-home/lake``)
+and object-store credentials with repeatable ``--storage-option KEY=VALUE`` (passed to deltalake).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from buffer import Lake
+from buffer.maintenance import DEFAULT_RETENTION_HOURS, compact, history, vacuum
+from buffer.output import FORMATS, format_table, render
+from buffer.schema import TABLES
+from buffer.sql import SqlRefused, sql
+
+DEFAULT_LAKE = "./rlake-home/lake"
+
+LakeOpt = Annotated[str, typer.Option("--lake", envvar="RLAKE_LAKE_URI",
+                                      help="Lake root: a folder or an object-store URI (s3://, gs://, az://).")]
+StorageOpt = Annotated[list[str] | None, typer.Option(
+    "--storage-option", "-S", help="Object-store option KEY=VALUE (repeatable), passed to deltalake.")]
+TableOpt = Annotated[str, typer.Option("--table", "-t", help=f"One of: {', '.join(TABLES)}.")]
+
+lake_app = typer.Typer(help="Maintain the trajectory lake (compaction, vacuum, history).", no_args_is_help=True)
+
+
+def parse_storage_options(items: list[str] | None) -> dict[str, str] | None:
+    """``["KEY=VALUE", ...]`` -> ``{KEY: VALUE}``; a clear error naming a malformed item."""
+    if not items:
+        return None
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"storage option {item!r} is not KEY=VALUE")
+        out[key.strip()] = value
+    return out
+
+
+def open_lake(lake: str | None, storage_option: list[str] | None) -> Lake:
+    return Lake(lake or os.environ.get("RLAKE_LAKE_URI") or DEFAULT_LAKE,
+                storage_options=parse_storage_options(storage_option))
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _check_table(table: str) -> None:
+    if table not in TABLES:
+        _fail(f"unknown table {table!r}; choose one of {', '.join(TABLES)}")
+
+
+def sql_command(
+    query: Annotated[str, typer.Argument(help="A SELECT (or EXPLAIN) over trajectories, train_steps, evals, runs.")],
+    format: Annotated[str, typer.Option("--format", "-f", help=f"Output: {' | '.join(FORMATS)}.")] = "table",
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result to FILE.")] = None,
+    as_of: Annotated[str | None, typer.Option(
+        "--as-of", help="Read tables as of a Delta version (int) or an ISO timestamp.")] = None,
+    max_rows: Annotated[int | None, typer.Option("--max-rows", help="Table format: show at most N rows.")] = None,
+    lake: LakeOpt = DEFAULT_LAKE,
+    storage_option: StorageOpt = None,
+) -> None:
+    """Run read-only SQL (DuckDB) over the lake's tables."""
+    if format not in FORMATS:
+        _fail(f"unknown --format {format!r}; choose one of {', '.join(FORMATS)}")
+    if format == "parquet" and out is None:
+        _fail("--format parquet needs --out FILE")
+    try:
+        result = sql(open_lake(lake, storage_option), query, as_of=as_of)
+    except SqlRefused as e:
+        _fail(str(e))
+    except ValueError as e:
+        _fail(str(e))
+    if format == "table" and out is None:
+        typer.echo(format_table(result, max_rows))
+        return
+    text = render(result, format, out)
+    if text is not None:
+        typer.echo(text, nl=False)
+    else:
+        typer.echo(f"wrote {result.num_rows} rows to {out}", err=True)
+
+
+@lake_app.command("compact")
+def compact_command(
+    table: TableOpt = "trajectories",
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Only this run's partition.")] = None,
+    max_row_group_size: Annotated[int, typer.Option(help="Rows per Parquet row group.")] = 4096,
+    sort: Annotated[bool, typer.Option(help="Sort rewritten rows by version (Z-order).")] = True,
+    lake: LakeOpt = DEFAULT_LAKE,
+    storage_option: StorageOpt = None,
+) -> None:
+    """Rewrite small files into larger ones with small row groups; print the metrics as JSON."""
+    _check_table(table)
+    try:
+        metrics = compact(open_lake(lake, storage_option), table, run_id=run_id,
+                          max_row_group_size=max_row_group_size, sort=sort)
+    except ValueError as e:
+        _fail(str(e))
+    typer.echo(json.dumps(metrics, default=str))
+
+
+@lake_app.command("vacuum")
+def vacuum_command(
+    table: TableOpt = "trajectories",
+    retention_hours: Annotated[int, typer.Option(help="Keep files needed by versions newer than this.")]
+    = DEFAULT_RETENTION_HOURS,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List files, delete nothing.")] = False,
+    lake: LakeOpt = DEFAULT_LAKE,
+    storage_option: StorageOpt = None,
+) -> None:
+    """Delete unreferenced files older than the retention (breaks time travel before it)."""
+    _check_table(table)
+    try:
+        files = vacuum(open_lake(lake, storage_option), table, retention_hours=retention_hours,
+                       dry_run=dry_run)
+    except ValueError as e:
+        _fail(str(e))
+    verb = "would delete" if dry_run else "deleted"
+    for f in files:
+        typer.echo(f)
+    typer.echo(f"{verb} {len(files)} files from {table}", err=True)
+
+
+@lake_app.command("history")
+def history_command(
+    table: TableOpt = "trajectories",
+    limit: Annotated[int | None, typer.Option(help="Newest N commits only.")] = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per commit.")] = False,
+    lake: LakeOpt = DEFAULT_LAKE,
+    storage_option: StorageOpt = None,
+) -> None:
+    """The table's Delta commits, newest first."""
+    _check_table(table)
+    try:
+        entries = history(open_lake(lake, storage_option), table, limit=limit)
+    except ValueError as e:
+        _fail(str(e))
+    if as_json:
+        for e in entries:
+            typer.echo(json.dumps(e, default=str))
+        return
+    import pyarrow as pa
+
+    rows = [{"version": e["version"], "timestamp": e["timestamp"], "operation": e["operation"],
+             "rows": (e.get("operationMetrics") or {}).get("num_added_rows", e.get("rlake.rows")),
+             "rlake": e.get("rlake.operation")} for e in entries]
+    typer.echo(format_table(pa.Table.from_pylist(rows) if rows else pa.table({"version": []})))

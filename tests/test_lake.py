@@ -1,0 +1,182 @@
+"""Unit tests of the lake: schema, idempotent appends, reads, time travel, runs, evolution, maintenance."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable, write_deltalake
+
+from buffer import SCHEMA_VERSION, Lake, slice_lake_version
+from buffer.maintenance import compact, history, vacuum
+from buffer.schema import TABLES, arrow_schema, rows_to_table
+from buffer.synth import synthetic_rows
+from rollout.sample import Sample, Status
+
+
+@pytest.fixture
+def lake(tmp_path) -> Lake:
+    return Lake(str(tmp_path / "lake"))
+
+
+def uids(table: pa.Table) -> list[str]:
+    return table.column("sample_uid").to_pylist()
+
+
+def test_every_column_is_documented():
+    for name in TABLES:
+        for field in arrow_schema(name):
+            assert field.metadata[b"doc"].strip(), f"{name}.{field.name} has no doc"
+
+
+def test_sample_to_row_round_trips_through_the_lake(lake):
+    s = Sample(group_index=1, index=3, prompt="1+1=", prompt_token_ids=[5, 6], label="2",
+               response="2", response_token_ids=[7], rollout_log_probs=[-0.5], loss_mask=[1],
+               reward=1.0, reward_detail={"ok": True}, status=Status.COMPLETED, finish_reason="stop",
+               weight_version=4, metadata={"t": 1.0}, data_source="synthetic", row=9)
+    version = lake.append_trajectories([s.to_row("run-a", 2, "torch")])
+    assert version == lake.table_version("trajectories")
+    row = lake.read("trajectories").to_pylist()[0]
+    assert row["sample_uid"] == "run-a/2/3" and row["kind"] == "train"
+    assert row["created_at"].tzinfo is not None
+    assert abs((datetime.now(UTC) - row["created_at"]).total_seconds()) < 60
+    back = Sample.from_row(row)
+    assert back.rollout_log_probs == [-0.5] and back.reward_detail == {"ok": True}
+    assert back.weight_version == 4 and back.status is Status.COMPLETED
+
+
+def test_same_iteration_twice_leaves_one_copy(lake):
+    rows = synthetic_rows("r", 0, 64)
+    v1 = lake.append_trajectories(rows)
+    assert v1 is not None
+    assert lake.append_trajectories(rows) is None  # nothing new: no commit
+    assert lake.table_version("trajectories") == v1
+    # a retry with half the old rows plus new ones writes only the new ones
+    more = rows[:32] + synthetic_rows("r", 1, 16)
+    assert lake.append_trajectories(more) == v1 + 1
+    got = uids(lake.read("trajectories"))
+    assert len(got) == len(set(got)) == 80
+    # duplicates inside one batch are written once
+    assert lake.append_trajectories(synthetic_rows("r", 2, 4) * 2) is not None
+    assert lake.read("trajectories", run_id="r").num_rows == 84
+
+
+def test_arrow_input_and_created_at_kept(lake):
+    stamp = datetime(2024, 1, 2, 3, 4, 5, tzinfo=UTC)
+    rows = [dict(r, created_at=stamp) for r in synthetic_rows("r", 0, 4)]
+    lake.append_trajectories(rows_to_table("trajectories", rows))
+    assert set(lake.read("trajectories", columns=["created_at"]).column(0).to_pylist()) == {stamp}
+
+
+def test_bad_rows_get_a_clear_error(lake):
+    rows = synthetic_rows("r", 0, 2)
+    rows[1]["iteration"] = "seven"
+    with pytest.raises(ValueError, match="iteration"):
+        lake.append_trajectories(rows)
+    del rows[1]["iteration"]
+    with pytest.raises(ValueError, match="'iteration' must not be null"):
+        lake.append_trajectories(rows)
+    with pytest.raises(ValueError, match="unknown lake table 'nope'"):
+        lake.read("nope")
+
+
+def test_read_filters_and_columns(lake):
+    lake.append_trajectories(synthetic_rows("a", 0, 5) + synthetic_rows("b", 0, 3))
+    assert lake.read("trajectories", run_id="b").num_rows == 3
+    t = lake.read("trajectories", run_id="a", columns=["iteration", "sample_uid"])
+    assert t.column_names == ["iteration", "sample_uid"] and t.num_rows == 5
+    assert lake.read("evals").num_rows == 0 and lake.table_version("evals") is None
+
+
+def test_time_travel_by_version_and_timestamp(lake):
+    v0 = lake.append_trajectories(synthetic_rows("r", 0, 8))
+    between = datetime.now(UTC)
+    v1 = lake.append_trajectories(synthetic_rows("r", 1, 8))
+    assert v1 == v0 + 1
+    assert lake.read("trajectories", as_of=v0).num_rows == 8
+    assert lake.read("trajectories", as_of=str(v1)).num_rows == 16
+    assert lake.read("trajectories", as_of=between.isoformat()).num_rows == 8
+    with pytest.raises(ValueError, match="neither a Delta version"):
+        lake.read("trajectories", as_of="yesterday")
+
+
+def test_train_steps_evals_idempotent_and_lineage(lake):
+    lake.append_trajectories(synthetic_rows("r", 0, 8))
+    step = {"run_id": "r", "step": 0, "iteration": 0, "base_version": 0, "weight_version": 1,
+            "lake_version": lake.table_version("trajectories"), "sample_uids": ["r/0/0", "r/0/1"],
+            "n_samples": 2, "pg_loss": 0.1, "metrics": json.dumps({"x": 1}), "timings": "{}"}
+    assert lake.append_train_step(step) is not None
+    assert lake.append_train_step(step) is None
+    assert lake.append_train_step({**step, "step": 1, "sample_uids": ["r/0/2"], "weight_version": 2})
+    assert lake.read("train_steps").num_rows == 2
+    assert lake.consumed_sample_uids("r") == {"r/0/0", "r/0/1", "r/0/2"}
+    assert lake.samples_for_weight_version("r", 1) == ["r/0/0", "r/0/1"]
+    ev = [{"run_id": "r", "weight_version": 1, "iteration": 0, "dataset": "add", "metric": m,
+           "value": 0.5, "n": 10} for m in ("acc", "mean_reward")]
+    assert lake.append_evals(ev) is not None
+    assert lake.append_evals(ev + [dict(ev[0], weight_version=2)]) is not None
+    assert lake.append_evals(ev) is None
+    assert lake.read("evals").num_rows == 3
+
+
+def test_runs_upsert_updates_in_place(lake):
+    assert lake.get_run("x") is None
+    lake.upsert_run({"run_id": "x", "status": "running", "config": "{}", "mlflow_run_id": "m1"})
+    first = lake.get_run("x")
+    lake.upsert_run({"run_id": "x", "status": "completed"})
+    lake.upsert_run({"run_id": "y", "status": "running", "parent_run_id": "x"})
+    runs = {r["run_id"]: r for r in lake.read("runs").to_pylist()}
+    assert len(runs) == 2
+    assert runs["x"]["status"] == "completed" and runs["x"]["mlflow_run_id"] == "m1"
+    assert runs["x"]["created_at"] == first["created_at"]
+    assert runs["x"]["updated_at"] >= first["updated_at"]
+    with pytest.raises(ValueError, match="run_id"):
+        lake.upsert_run({"status": "x"})
+
+
+def test_schema_version_recorded(lake):
+    lake.append_trajectories(synthetic_rows("r", 0, 2))
+    assert lake.schema_version("trajectories") == SCHEMA_VERSION
+
+
+def test_old_table_missing_a_column_reads_and_evolves(tmp_path):
+    """A table written before `engine` and `finish_reason` existed reads them as null; new writes add them."""
+    lake = Lake(str(tmp_path / "lake"))
+    old = rows_to_table("trajectories", synthetic_rows("r", 0, 4)).drop(["engine", "finish_reason"])
+    write_deltalake(lake.table_uri("trajectories"), old, partition_by=["run_id"])
+    t = lake.read("trajectories")
+    assert t.column("engine").null_count == 4 and t.schema.names == arrow_schema("trajectories").names
+    assert lake.training_slice("r", 0).num_rows == 4
+    lake.append_trajectories(synthetic_rows("r", 1, 4))  # schema merge adds the columns
+    t = lake.read("trajectories").sort_by("iteration")
+    assert t.column("engine").to_pylist() == [None] * 4 + ["torch"] * 4
+    assert lake.read("trajectories", as_of=0).column("finish_reason").null_count == 4
+    # extra columns written by newer code are kept, older rows read null
+    lake.append_trajectories([dict(r, judge="gpt") for r in synthetic_rows("r", 2, 2)])
+    assert lake.read("trajectories", columns=["judge"]).column(0).null_count == 8
+
+
+def test_compact_keeps_rows_and_slices_vacuum_and_history(lake):
+    versions = [lake.append_trajectories(synthetic_rows("r", i, 16)) for i in range(6)]
+    before = lake.training_slice("r", 2, 4)
+    files_before = len(DeltaTable(lake.table_uri("trajectories")).file_uris())
+    metrics = compact(lake, max_row_group_size=8)
+    assert metrics["numFilesRemoved"] == files_before and metrics["numFilesAdded"] < files_before
+    after = lake.training_slice("r", 2, 4)
+    assert uids(after) == uids(before) and slice_lake_version(after) == metrics["version"]
+    import pyarrow.parquet as pq
+    for uri in DeltaTable(lake.table_uri("trajectories")).file_uris():
+        assert pq.ParquetFile(uri).metadata.row_group(0).num_rows <= 8
+    ops = [h["operation"] for h in history(lake)]
+    assert ops[0] == "OPTIMIZE" and ops.count("WRITE") == 6
+    assert lake.read("trajectories", as_of=versions[2]).num_rows == 48
+    assert vacuum(lake, retention_hours=168) == []  # everything is newer than a week
+    removed = vacuum(lake, retention_hours=0)
+    assert len(removed) == files_before
+    assert lake.read("trajectories").num_rows == 96
+    with pytest.raises(ValueError, match="vacuum"):
+        lake.read("trajectories", as_of=versions[2])
+    with pytest.raises(ValueError, match="does not exist"):
+        compact(lake, "evals")
