@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 
 from prefect import flow
 from prefect.settings import temporary_settings
+from prefect.utilities.annotations import quote
 
 from infra.config import RunConfig, config_from_dict
 from infra.runtime import RUNTIMES, Runtime, open_runtime
@@ -60,9 +61,9 @@ def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
     with _phase(timings, "generate"):
         samples = generate_rollouts(rt, iteration)
     with _phase(timings, "score"):
-        failed = score(rt, samples)
+        failed = score(rt, quote(samples))
     with _phase(timings, "lake_write"):
-        write_trajectories(rt, samples, iteration)
+        write_trajectories(rt, quote(samples), iteration)
     with _phase(timings, "slice_read"):
         training_slice, lake_version = read_training_slice(rt, base_version)
     with _phase(timings, "train"):

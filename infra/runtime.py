@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import shutil
 import uuid
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -35,22 +34,19 @@ def checkpoint_name(version: int) -> str:
     return f"v{version:06d}"
 
 
-@dataclass
 class Runtime:
-    cfg: RunConfig
-    run_id: str
-    home: Path
-    lake: Lake
-    tracker: Tracker
-    tokenizer: object
-    dataset: PromptDataset
-    held_out: list[dict]
-    engine: RolloutEngine
-    trainer: TorchTrainer
-    reward_fn: object
-    start_iteration: int = 0
-    mlflow_run_id: str | None = None
-    reporter: object = None
+    """A plain class on purpose: Prefect walks dataclass task inputs looking for futures, which
+    would visit every prompt record and sample on each task call."""
+
+    def __init__(self, cfg: RunConfig, run_id: str, home: Path, lake: Lake, tracker: Tracker,
+                 tokenizer, dataset: PromptDataset, held_out: list[dict], reward_fn) -> None:
+        self.cfg, self.run_id, self.home, self.lake, self.tracker = cfg, run_id, home, lake, tracker
+        self.tokenizer, self.dataset, self.held_out, self.reward_fn = tokenizer, dataset, held_out, reward_fn
+        self.engine: RolloutEngine | None = None
+        self.trainer: TorchTrainer | None = None
+        self.start_iteration = 0
+        self.mlflow_run_id: str | None = None
+        self.reporter = None
 
     def report(self, event: str, payload: dict) -> None:
         """Live progress for the CLI (no-op when nobody listens)."""
@@ -144,8 +140,7 @@ def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False
     dataset, held_out = _task_data(cfg)
     tracker = Tracker(home)
     rt = Runtime(cfg=cfg, run_id=run_id, home=home, lake=lake, tracker=tracker,
-                 tokenizer=tokenizer, dataset=dataset, held_out=held_out, engine=None,
-                 trainer=None, reward_fn=get_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path))
+                 tokenizer=tokenizer, dataset=dataset, held_out=held_out, reward_fn=get_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path))
     start_version, start_iteration = 0, 0
     model_dir = base
     if resume:
