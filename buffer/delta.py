@@ -19,10 +19,12 @@ import random
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset  # noqa: F401  (pa.dataset)
+import pyarrow.fs as pa_fs
 from deltalake import CommitProperties, DeltaTable, Transaction, WriterProperties, write_deltalake
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
@@ -69,6 +71,21 @@ def in_list(column: str, values: Iterable[Any]) -> str:
     if len(vals) == 1:
         return f"{column} = {sql_literal(vals[0])}"
     return f"{column} IN ({', '.join(sql_literal(v) for v in vals)})"
+
+
+def to_dataset(dt: DeltaTable, predicate: str | None = None) -> pa.dataset.Dataset:
+    """An Arrow dataset over the files of ``dt`` that ``predicate`` may match (Delta-log statistics).
+
+    Local tables are read with Arrow's native local filesystem (faster than deltalake's
+    Python-level filesystem handler, and it leaves no Python-backed IO threads at exit); object
+    stores go through deltalake's handler, which uses the table's storage options.
+    """
+    uri = dt.table_uri
+    fs = None
+    if is_local(uri):
+        path = unquote(urlparse(uri).path) if uri.startswith("file:") else uri
+        fs = pa_fs.SubTreeFileSystem(path, pa_fs.LocalFileSystem())
+    return dt.to_pyarrow_dataset(file_pruning_predicate=predicate, filesystem=fs)
 
 
 def writer_properties(max_row_group_size: int = ROW_GROUP_SIZE) -> WriterProperties:
@@ -139,7 +156,7 @@ def backoff(attempt: int) -> float:
 
 def existing_keys(dt: DeltaTable, keys: tuple[str, ...], prune: str, row_filter: pc.Expression) -> set[tuple]:
     """Keys already in ``dt`` among the rows matching ``row_filter``, reading only files ``prune`` keeps."""
-    ds = dt.to_pyarrow_dataset(file_pruning_predicate=prune)
+    ds = to_dataset(dt, prune)
     found = ds.to_table(columns=list(keys), filter=row_filter)
     return set(zip(*(found.column(k).to_pylist() for k in keys), strict=True))
 

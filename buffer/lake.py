@@ -203,7 +203,7 @@ class Lake:
             if dt is None:
                 return conform(arrow_schema(table).empty_table(), table, columns)
             pred = None if run_id is None else f"run_id = {delta.sql_literal(run_id)}"
-            ds = dt.to_pyarrow_dataset(file_pruning_predicate=pred)
+            ds = delta.to_dataset(dt, pred)
             wanted = None if columns is None else [c for c in columns if c in ds.schema.names]
             flt = None if run_id is None else pc.field("run_id") == run_id
             try:
@@ -223,7 +223,7 @@ class Lake:
             dt = self._snapshot(table, as_of)
             if dt is None:
                 return arrow_schema(table).empty_table()
-            return dt.to_pyarrow_dataset()
+            return delta.to_dataset(dt)
 
     def sql(self, query: str, as_of: int | str | datetime | dict | None = None) -> pa.Table:
         """Read-only SQL over the lake tables (see ``buffer.sql.sql``)."""
@@ -256,7 +256,7 @@ class Lake:
                 consumed = self._consumed(run_id, min_version)
                 if consumed:
                     flt &= ~pc.field("sample_uid").isin(pa.array(sorted(consumed), pa.string()))
-            data = dt.to_pyarrow_dataset(file_pruning_predicate=pred).to_table(filter=flt)
+            data = delta.to_dataset(dt, pred).to_table(filter=flt)
         data = conform(data, "trajectories").sort_by(SLICE_ORDER)
         if limit is not None:
             data = data.slice(0, max(0, int(limit)))
@@ -279,7 +279,7 @@ class Lake:
         if min_version is not None:
             pred += f" AND (base_version >= {int(min_version)} OR base_version IS NULL)"
             flt &= (pc.field("base_version") >= int(min_version)) | pc.field("base_version").is_null()
-        ds = dt.to_pyarrow_dataset(file_pruning_predicate=pred)
+        ds = delta.to_dataset(dt, pred)
         uids = ds.to_table(columns=["sample_uids"], filter=flt).column("sample_uids")
         return set(pc.list_flatten(uids).to_pylist()) if len(uids) else set()
 

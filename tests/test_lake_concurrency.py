@@ -1,0 +1,131 @@
+"""Concurrent writers and killed writers: exactly-once appends, an always-readable table."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from deltalake import DeltaTable
+
+from buffer import Lake
+from buffer.maintenance import vacuum
+from buffer.synth import synthetic_rows
+
+WORKERS, BATCHES, ROWS = 4, 50, 16
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _writer(lake_uri: str, worker: int, barrier) -> None:
+    """Append this worker's 50 batches; interleaved, re-append the next worker's batch of the same k
+    (so every batch is written by two processes at about the same time)."""
+    lake = Lake(lake_uri)
+    neighbour = (worker + 1) % WORKERS
+    barrier.wait()
+    for k in range(BATCHES):
+        lake.append_trajectories(synthetic_rows("run", worker * 1000 + k, ROWS, response_len=8))
+        lake.append_trajectories(synthetic_rows("run", neighbour * 1000 + k, ROWS, response_len=8))
+
+
+def test_four_processes_fifty_batches_exactly_once(tmp_path):
+    uri = str(tmp_path / "lake")
+    ctx = mp.get_context("spawn")  # deltalake's runtime does not survive fork
+    barrier = ctx.Barrier(WORKERS)
+    procs = [ctx.Process(target=_writer, args=(uri, w, barrier)) for w in range(WORKERS)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0] * WORKERS
+    table = Lake(uri).read("trajectories", columns=["sample_uid", "iteration"])
+    got = table.column("sample_uid").to_pylist()
+    assert len(got) == WORKERS * BATCHES * ROWS
+    assert len(set(got)) == len(got)
+    per_batch = Counter(table.column("iteration").to_pylist())
+    assert len(per_batch) == WORKERS * BATCHES and set(per_batch.values()) == {ROWS}
+
+
+BIG = 8192
+
+
+def big_batch(base, iteration: int):
+    """``base`` (an Arrow batch of iteration 0) relabelled as ``iteration`` (cheap, no row building)."""
+    import pyarrow as pa
+
+    uids = pa.array([f"run/{iteration}/{i}" for i in range(base.num_rows)])
+    base = base.set_column(base.schema.get_field_index("sample_uid"), "sample_uid", uids)
+    its = pa.array([iteration] * base.num_rows, pa.int64())
+    return base.set_column(base.schema.get_field_index("iteration"), "iteration", its)
+
+
+def base_batch():
+    from buffer.schema import rows_to_table
+
+    return rows_to_table("trajectories", synthetic_rows("run", 0, BIG, response_len=128))
+
+
+CHILD = """
+import sys
+from buffer import Lake
+from tests.test_lake_concurrency import base_batch, big_batch
+lake = Lake(sys.argv[1])
+base = base_batch()
+for it in range(int(sys.argv[2]), int(sys.argv[3])):
+    batch = big_batch(base, it)
+    print("start", it, flush=True)
+    lake.append_trajectories(batch)
+    print("done", it, flush=True)
+"""
+
+
+def _files_on_disk(uri: str) -> set[str]:
+    return {str(p) for p in Path(uri, "trajectories").rglob("*.parquet")}
+
+
+def test_sigkill_mid_append_leaves_whole_batches(tmp_path):
+    uri = str(tmp_path / "lake")
+    rng = random.Random(0)
+    n_iters, killed_mid_append = 10, 0
+    start = 0
+    for _ in range(5):
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, uri, str(start), str(n_iters)], cwd=ROOT,
+                                stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        # time one whole append, then kill the next one at a random point inside it
+        first = proc.stdout.readline()
+        t0 = time.perf_counter()
+        second = proc.stdout.readline()
+        took = time.perf_counter() - t0
+        third = proc.stdout.readline()
+        if not third:
+            proc.wait()
+            break
+        time.sleep(rng.uniform(0.05, 0.95) * took)
+        proc.send_signal(signal.SIGKILL)
+        out, _ = proc.communicate()
+        lines = [first.strip(), second.strip(), third.strip(), *out.split("\n")]
+        started = [int(x.split()[1]) for x in lines if x.startswith("start")]
+        done = [int(x.split()[1]) for x in lines if x.startswith("done")]
+        killed_mid_append += bool(started) and (not done or started[-1] > done[-1])
+        # the table is readable and every batch is all there or not there at all
+        lake = Lake(uri)
+        if lake.table_version("trajectories") is not None:
+            counts = Counter(lake.read("trajectories", columns=["iteration"]).column(0).to_pylist())
+            assert set(counts.values()) <= {BIG}, counts
+            start = len(counts)
+    assert killed_mid_append >= 1
+    # re-running the appends completes the table, writing each batch once
+    lake, base = Lake(uri), base_batch()
+    for it in range(n_iters):
+        lake.append_trajectories(big_batch(base, it))
+    counts = Counter(lake.read("trajectories", columns=["iteration"]).column(0).to_pylist())
+    assert counts == {it: BIG for it in range(n_iters)}
+    # files half-written by killed writers are never referenced; vacuum removes them
+    vacuum(lake, retention_hours=0)
+    assert _files_on_disk(uri) == set(DeltaTable(lake.table_uri("trajectories")).file_uris())
