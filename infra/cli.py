@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 
 from infra.config import ConfigError, load_config
+from infra.lake_cli import lake_app, sql_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="rlake: RL post-training with a versioned trajectory lake.")
@@ -44,7 +45,7 @@ def run(config: Annotated[Path | None, typer.Argument(help="YAML config")] = Non
 
 @app.command()
 def resume(run_id: str, home: HomeOpt = "./rlake-home",
-           lake_uri: Annotated[str | None, typer.Option("--lake-uri")] = None) -> None:
+           lake_uri: Annotated[str | None, typer.Option("--lake", help="lake URI (default: HOME/lake)")] = None) -> None:
     """Continue RUN_ID from its last completed iteration (read from the lake)."""
     overrides = [f"home={home}"] + ([f"lake_uri={lake_uri}"] if lake_uri else [])
     cfg = load_config(None, overrides)
@@ -57,23 +58,11 @@ def resume(run_id: str, home: HomeOpt = "./rlake-home",
 
 @app.command()
 def status(run_id: Annotated[str | None, typer.Argument()] = None, home: HomeOpt = "./rlake-home",
-           lake_uri: Annotated[str | None, typer.Option("--lake-uri")] = None) -> None:
+           lake_uri: Annotated[str | None, typer.Option("--lake", help="lake URI (default: HOME/lake)")] = None) -> None:
     """List runs, or show one run's iterations, weight versions and evaluations."""
     from infra.status import show_status
 
     show_status(console, lake_uri or str(Path(home) / "lake"), run_id)
-
-
-@app.command()
-def sql(query: str, home: HomeOpt = "./rlake-home",
-        lake_uri: Annotated[str | None, typer.Option("--lake-uri")] = None,
-        fmt: Annotated[str, typer.Option("--format", help="table|csv|json|parquet")] = "table",
-        out: Annotated[Path | None, typer.Option("--out", help="write the result to a file")] = None,
-        as_of: Annotated[str | None, typer.Option("--as-of", help="Delta version or ISO time")] = None) -> None:
-    """Run read-only DuckDB SQL over the lake tables (trajectories, train_steps, evals, runs)."""
-    from infra.lake_cli import sql_command
-
-    sql_command(lake_uri or str(Path(home) / "lake"), query, fmt, out, as_of, console)
 
 
 def _print_summary(summary: dict) -> None:
@@ -90,10 +79,14 @@ def _print_summary(summary: dict) -> None:
     console.print(f"checkpoints:  {summary['checkpoints']}")
     console.print("\nlook at it:")
     console.print(f"  rlake status {summary['run_id']} --home {home}")
-    console.print(f"  rlake sql \"SELECT iteration, avg(reward) FROM trajectories WHERE run_id = "
-                  f"'{summary['run_id']}' GROUP BY 1 ORDER BY 1\" --home {home}")
+    console.print(f"  rlake sql \"SELECT iteration, avg(reward) AS reward FROM trajectories WHERE "
+                  f"kind = 'train' GROUP BY 1 ORDER BY 1\" --lake {summary['lake_uri']}")
     console.print(f"  mlflow ui --backend-store-uri {summary['mlflow_uri']}   (then open http://127.0.0.1:5000)")
     console.print(f"  PREFECT_HOME={home}/prefect prefect server start   (then open http://127.0.0.1:4200)")
+
+
+app.command("sql")(sql_command)
+app.add_typer(lake_app, name="lake")
 
 
 def main() -> None:

@@ -105,9 +105,13 @@ class SFTConfig(_Section):
     """Supervised warm-up before RL (its own Prefect flow, ``loss_type: sft``)."""
 
     enabled: bool = True
-    steps: int = Field(150, ge=0)
+    steps: int = Field(1000, ge=0, description="at most this many steps")
     batch_size: int = Field(128, ge=1)
     lr: float = Field(3e-3, gt=0)
+    stop_at_accuracy: float | None = Field(
+        0.5, gt=0, le=1, description="stop once greedy accuracy on training problems reaches this")
+    check_every: int = Field(10, ge=1, description="steps between accuracy checks")
+    check_size: int = Field(200, ge=1, description="training problems used for the check")
 
 
 class EvalConfig(_Section):

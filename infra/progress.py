@@ -23,7 +23,9 @@ class RichReporter:
         if event == "sft_start":
             self.sft_task = self.progress.add_task("SFT warm-up", total=p["steps"], info="")
         elif event == "sft_step" and self.sft_task is not None:
-            self.progress.update(self.sft_task, completed=p["step"], info=f"loss {p['sft_loss']:.3f}")
+            acc = p.get("sft/train_accuracy")
+            info = f"loss {p['sft/sft_loss']:.3f}" + ("" if acc is None else f" | train acc {acc:.3f}")
+            self.progress.update(self.sft_task, completed=p["step"], info=info)
         elif event == "rl_start":
             self.rl_task = self.progress.add_task("RL iterations", total=p["total"],
                                                   completed=p["start"], info="")

@@ -180,7 +180,7 @@ class TorchTrainer:
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
         self.optimizer.step()
-        return {"sft_loss": float(loss), "grad_norm": float(grad_norm)}
+        return {"sft_loss": loss.item(), "grad_norm": float(grad_norm)}
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

@@ -1,0 +1,36 @@
+"""Test session setup: offline, quiet, 1 torch thread; helpers to run the CLI as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from infra.env import OFFLINE_ENV
+
+for _key, _value in OFFLINE_ENV.items():
+    os.environ.setdefault(_key, _value)
+torch.set_num_threads(1)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: float = 1500,
+            check: bool = True) -> subprocess.CompletedProcess:
+    """``python -m infra.cli ARGS`` in a subprocess (its own Prefect and MLflow state)."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "infra.cli", *args], cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"rlake {' '.join(args)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def cli():
+    return run_cli
