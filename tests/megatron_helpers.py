@@ -114,7 +114,8 @@ def hf_grpo_step(model, batch: TrainBatch, cfg) -> dict[str, float]:
     loss.backward()
     gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
     opt.step()
-    return {"pg_loss": float(pg_loss), "entropy_loss": float(ent_loss), "grad_norm": float(gn)}
+    return {"pg_loss": float(pg_loss.detach()), "entropy_loss": float(ent_loss.detach()),
+            "grad_norm": float(gn)}
 
 
 def weights_of(model) -> dict[str, torch.Tensor]:
