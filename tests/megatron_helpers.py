@@ -123,3 +123,26 @@ def weights_of(model) -> dict[str, torch.Tensor]:
     if model.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     return sd
+
+
+@torch.no_grad()
+def sample_with_megatron(trainer, prompts: list[list[int]], n_per: int, length: int,
+                         temperature: float, gen: torch.Generator) -> TrainBatch:
+    """Sample ``length`` tokens per sample from the trainer's own (TP=1) model, no KV cache."""
+    from trainers.megatron.model import forward_logits
+
+    ids = torch.tensor([p for p in prompts for _ in range(n_per)])
+    lps = []
+    for _ in range(length):
+        logits = forward_logits(trainer.model, ids)[:, -1, :trainer.shape.vocab_size]
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        nxt = torch.multinomial(logp.exp(), 1, generator=gen)
+        lps.append(logp.gather(1, nxt))
+        ids = torch.cat([ids, nxt], dim=1)
+    plen = len(prompts[0])
+    n = ids.shape[0]
+    return TrainBatch(
+        sample_uids=[str(i) for i in range(n)], prompt_token_ids=ids[:, :plen].tolist(),
+        response_token_ids=ids[:, plen:].tolist(), loss_mask=[[1] * length] * n,
+        rollout_logprobs=torch.cat(lps, dim=1).tolist(), rewards=[0.0] * n,
+        group_keys=[str(i // n_per) for i in range(n)], weight_versions=[0] * n)

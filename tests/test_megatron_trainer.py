@@ -13,6 +13,7 @@ from tests.megatron_helpers import (
     hf_grpo_step,
     hf_response_logprobs,
     make_batch,
+    sample_with_megatron,
     save_tiny_model,
     trainer_config,
     weights_of,
@@ -136,3 +137,39 @@ def test_sft_step_lowers_loss(ckpt, batch):
 def test_pipeline_parallel_on_cpu_is_refused(ckpt):
     with pytest.raises(ValueError, match="pipeline_model_parallel_size=2"):
         MegatronTrainer(trainer_config(pipeline_model_parallel_size=2), ckpt[0])
+
+
+def test_grpo_learns_a_target_token(ckpt):
+    """A few GRPO iterations on the trainer's own samples raise the reward
+    (fraction of response tokens equal to 7: about 1/31 at random init)."""
+    cfg = trainer_config(lr=1e-2, n_samples_per_prompt=8, global_batch_size=32,
+                         micro_batch_size=32, rollout_temperature=1.0, entropy_coef=0.0)
+    trainer = MegatronTrainer(cfg, ckpt[0])
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]
+    rewards = []
+    for _ in range(12):
+        batch = sample_with_megatron(trainer, prompts, 8, 3, 1.0, gen)
+        batch.rewards = [r.count(7) / 3 for r in batch.response_token_ids]
+        rewards.append(sum(batch.rewards) / len(batch.rewards))
+        metrics = trainer.train(batch)
+        assert metrics["train_rollout_logprob_abs_diff"] < 1e-4
+    trainer.close()
+    assert sum(rewards[:3]) / 3 < 0.15
+    assert sum(rewards[-3:]) / 3 > 0.5, rewards
+
+
+def test_kl_loss_against_frozen_reference(ckpt, batch):
+    """use_kl_loss: KL to the initial policy is 0 on the first call, > 0 once the policy moved,
+    and the reference copy does not move."""
+    trainer = MegatronTrainer(trainer_config(use_kl_loss=True, kl_loss_coef=0.1), ckpt[0])
+    first = trainer.train(batch)
+    second = trainer.train(batch)
+    ref = {k: v for k, v in trainer.ref_model.state_dict().items() if "extra_state" not in k}
+    fresh = MegatronTrainer(trainer_config(), ckpt[0])
+    initial = fresh.local_state_dict()
+    fresh.close()
+    trainer.close()
+    assert first["kl_loss"] == pytest.approx(0.0, abs=1e-7)
+    assert second["kl_loss"] > 1e-6
+    assert all(torch.equal(ref[k], initial[k]) for k in initial)

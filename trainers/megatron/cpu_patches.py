@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-_APPLIED: list[CpuPatches] = []
+_LIVE = [0]  # live handles
+_SAVED: dict[str, Any] = {}  # what the patches replaced
 
 
 class CpuRNGStatesTracker:
@@ -74,49 +75,56 @@ class CpuRNGStatesTracker:
 
 @dataclass
 class CpuPatches:
-    """What ``apply_cpu_patches`` replaced, so ``undo`` can put it back."""
+    """A handle on the installed patches; ``undo`` releases it. The patches are reference
+    counted: the originals come back when the last live handle is undone."""
 
-    saved: dict[str, Any] = field(default_factory=dict)
     active: bool = False
 
     def undo(self) -> None:
-        """Restore the RNG tracker globals and ``torch.cuda.current_device``."""
+        """Release this handle; restore the RNG tracker globals and ``torch.cuda.current_device``
+        when no other handle is live."""
         if not self.active:
             return
-        from megatron.core.tensor_parallel import random as mrandom
-
-        mrandom._CUDA_RNG_STATE_TRACKER = self.saved["tracker"]
-        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = self.saved["tracker_initialized"]
-        torch.cuda.current_device = self.saved["current_device"]
         self.active = False
-        if self in _APPLIED:
-            _APPLIED.remove(self)
+        _LIVE[0] -= 1
+        if _LIVE[0] == 0:
+            from megatron.core.tensor_parallel import random as mrandom
+
+            mrandom._CUDA_RNG_STATE_TRACKER = _SAVED["tracker"]
+            mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = _SAVED["tracker_initialized"]
+            torch.cuda.current_device = _SAVED["current_device"]
+            _SAVED.clear()
 
 
 def _cpu_current_device() -> str:
     return "cpu"
 
 
+def patches_active() -> bool:
+    """Whether the CPU patches are installed now."""
+    return _LIVE[0] > 0
+
+
 def apply_cpu_patches(seed: int = 1234, force: bool = False) -> CpuPatches:
-    """Install the CPU patches unless CUDA is available (or ``force``); return an undo handle.
+    """Install the CPU patches unless CUDA is available (or ``force``); return a handle to undo.
 
     The tracker gets megatron's three named states, seeded as
     ``model_parallel_cuda_manual_seed`` does: tensor-parallel ``seed + 2718 + tp_rank``,
     data-parallel ``seed``, expert-parallel ``seed + 1024 + 100 * ep_rank + tp_rank``
-    (ranks 0 when model parallel is not initialised yet).
+    (ranks 0 when model parallel is not initialised yet). When already installed, the
+    installed tracker stays and the handle only adds a reference.
     """
     if torch.cuda.is_available() and not force:
         return CpuPatches()
-    if _APPLIED:  # already in place: hand back a no-op handle, the first owner undoes.
-        return CpuPatches()
+    if _LIVE[0] > 0:
+        _LIVE[0] += 1
+        return CpuPatches(active=True)
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
 
-    patches = CpuPatches(saved={
-        "tracker": mrandom._CUDA_RNG_STATE_TRACKER,
-        "tracker_initialized": mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
-        "current_device": torch.cuda.current_device,
-    }, active=True)
+    _SAVED.update(tracker=mrandom._CUDA_RNG_STATE_TRACKER,
+                  tracker_initialized=mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+                  current_device=torch.cuda.current_device)
     initialized = ps.model_parallel_is_initialized()
     tp_rank = ps.get_tensor_model_parallel_rank() if initialized else 0
     ep_rank = ps.get_expert_model_parallel_rank() if initialized else 0
@@ -127,8 +135,8 @@ def apply_cpu_patches(seed: int = 1234, force: bool = False) -> CpuPatches:
     mrandom._CUDA_RNG_STATE_TRACKER = tracker
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
-    _APPLIED.append(patches)
-    return patches
+    _LIVE[0] = 1
+    return CpuPatches(active=True)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,8 @@ Tensor = torch.Tensor
 
 
 def wrap_model_and_optimizer(model: torch.nn.Module, tf_config: Any, cfg: Any):
-    """(DDP-wrapped model, megatron optimizer) for ``model`` already on the GPU."""
+    """(DDP-wrapped model, megatron optimizer) for ``model`` already on the GPU; ``tf_config``
+    must be the model's own ``TransformerConfig`` (the schedule reads hooks from it)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -36,6 +37,12 @@ def wrap_model_and_optimizer(model: torch.nn.Module, tf_config: Any, cfg: Any):
         clip_grad=float(cfg_get(cfg, "clip_grad", 1.0)), bf16=tf_config.bf16,
         fp16=tf_config.fp16, params_dtype=tf_config.params_dtype)
     optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    # What megatron's training loop wires into the model config before using its schedules:
+    # loss scaling (fp16), no-sync during accumulation, and the DP gradient all-reduce at the end.
+    from megatron.core.distributed import finalize_model_grads
+    tf_config.grad_scale_func = optimizer.scale_loss
+    tf_config.no_sync_func = ddp.no_sync
+    tf_config.finalize_model_grads_func = finalize_model_grads
     return ddp, optimizer
 
 

@@ -29,7 +29,6 @@ from trainers.megatron.model import (
     forward_logits,
     init_distributed,
     mask_padded_vocab,
-    transformer_config,
     vocab_parallel_entropy,
     vocab_parallel_log_probs,
 )
@@ -161,7 +160,7 @@ class MegatronTrainer:
         if self.on_gpu:  # UNTESTED here (no GPU): megatron DDP + optimizer
             from trainers.megatron import gpu
             self.model, self.optimizer = gpu.wrap_model_and_optimizer(
-                self.model, transformer_config(self.shape, self.tp, self.pp, self.dtype), cfg)
+                self.model, self.model.config, cfg)
             return
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg_get(cfg, "weight_decay", 0.0),
