@@ -189,13 +189,13 @@ class MegatronTrainer:
         return out
 
     # ---- log-probs ----
-    def response_logprobs(self, model: torch.nn.Module, pb: PaddedBatch,
-                          with_entropy: bool = False) -> tuple[torch.Tensor,
-                                                                torch.Tensor | None]:
-        """log pi(y_t | x, y_<t) at temperature T: megatron's vocab-parallel cross entropy on
-        logits / T gathered at the response positions (padded vocab ids masked); entropy
-        likewise vocab-parallel. Returns ([B, T], [B, T] or None)."""
-        logits = forward_logits(model, pb.input_ids)
+    def logprobs_from_logits(self, logits: torch.Tensor, pb: PaddedBatch,
+                             with_entropy: bool = False) -> tuple[torch.Tensor,
+                                                                   torch.Tensor | None]:
+        """log pi(y_t | x, y_<t) at temperature T from vocab-parallel logits [B, S, V/tp]:
+        megatron's vocab-parallel cross entropy on logits / T gathered at the response
+        positions (padded vocab ids masked); entropy likewise vocab-parallel.
+        Returns ([B, T], [B, T] or None)."""
         idx = pb.response_index[..., None].expand(-1, -1, logits.shape[-1])
         z = logits.gather(1, idx).float() / self.temperature
         z = mask_padded_vocab(z, self.shape.vocab_size)
@@ -203,11 +203,29 @@ class MegatronTrainer:
         return logp, (vocab_parallel_entropy(z) if with_entropy else None)
 
     @torch.no_grad()
+    def _logprobs_no_grad(self, model: torch.nn.Module, pb: PaddedBatch) -> torch.Tensor:
+        """[B, T] log-probs of ``model`` without gradients (on GPU via megatron's schedule in
+        forward-only mode; with PP the values live on the last stage, zeros elsewhere)."""
+        if self.on_gpu:  # UNTESTED here (no GPU)
+            from trainers.megatron import gpu
+            return gpu.forward_only_logprobs(self, model, pb)
+        return self.logprobs_from_logits(forward_logits(model, pb.input_ids), pb)[0]
+
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, T] response log-probs of the current policy (right-padded, 0 past the end)."""
         pb = pad_batch(batch, self.pad_token_id).to(self._device)
-        logp, _ = self.response_logprobs(self.model, pb)
-        return (logp * pb.mask).cpu()
+        logp = (self._logprobs_no_grad(self.model, pb) * pb.mask).cpu()
+        return self._from_last_stage(logp)
+
+    def _from_last_stage(self, obj: Any) -> Any:
+        """``obj`` as the last pipeline stage has it, on every stage (identity without PP)."""
+        if self.pp == 1:
+            return obj
+        from megatron.core import parallel_state as ps
+        box = [obj]
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                   group=ps.get_pipeline_model_parallel_group())
+        return box[0]
 
     @property
     def _device(self) -> torch.device:
@@ -230,19 +248,19 @@ class MegatronTrainer:
         cfg = self.cfg
         pb = pad_batch(batch, self.pad_token_id).to(self._device)
         rewards = torch.tensor(batch.rewards, dtype=torch.float32, device=self._device)
-        with torch.no_grad():
-            old_logp, _ = self.response_logprobs(self.model, pb)
-            ref_logp = self.response_logprobs(self.ref_model, pb)[0] if self.ref_model else None
+        old_logp = self._logprobs_no_grad(self.model, pb)
+        ref_logp = self._logprobs_no_grad(self.ref_model, pb) if self.ref_model else None
         advantages = losses.compute_advantages(cfg, rewards, pb.mask, self.n_samples_per_prompt)
 
-        def loss_fn(idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        def loss_from_logits(idx: torch.Tensor, logits: torch.Tensor
+                             ) -> tuple[torch.Tensor, dict[str, float]]:
             sub = pb.select(idx)
-            logp, entropy = self.response_logprobs(self.model, sub, with_entropy=True)
+            logp, entropy = self.logprobs_from_logits(logits, sub, with_entropy=True)
             return losses.actor_loss(cfg, logp, entropy, old_logp[idx], advantages[idx],
                                      sub.mask, None if ref_logp is None else ref_logp[idx],
                                      sub.rollout_logprobs)
 
-        metrics = self._optimize(len(batch), loss_fn)
+        metrics = self._optimize(pb, loss_from_logits)
         self.weight_version += 1
         masked_adv = advantages[pb.mask > 0]
         metrics.update(
@@ -251,16 +269,17 @@ class MegatronTrainer:
             advantage_std=float(masked_adv.std()) if masked_adv.numel() > 1 else 0.0,
             train_rollout_logprob_abs_diff=losses.masked_abs_diff(old_logp, pb.rollout_logprobs,
                                                                   pb.mask))
-        return metrics
+        return self._from_last_stage(metrics)
 
-    def _optimize(self, n: int, loss_fn) -> dict[str, float]:
-        """Optimizer steps over ``n`` samples; ``loss_fn(idx)`` -> (loss, metrics) of a
-        micro-batch. Each micro-batch loss is weighted by its share of the step, so the step's
-        gradient is that of the global-batch mean (summed over DP ranks)."""
+    def _optimize(self, pb: PaddedBatch, loss_from_logits) -> dict[str, float]:
+        """Optimizer steps over the batch; ``loss_from_logits(idx, logits)`` -> (loss, metrics)
+        of micro-batch ``idx``. Each micro-batch loss is weighted by its share of the step, so
+        the step's gradient is that of the global-batch mean (summed over DP ranks)."""
+        n = pb.input_ids.shape[0]
         step, micro = self._step_plan(n)
         if self.on_gpu:  # UNTESTED here (no GPU)
             from trainers.megatron import gpu
-            return gpu.optimize(self, n, step, micro, loss_fn)
+            return gpu.optimize(self, pb, step, micro, loss_from_logits)
         from megatron.core import parallel_state as ps
         totals: dict[str, float] = {}
         steps = 0
@@ -270,7 +289,8 @@ class MegatronTrainer:
             mine = self._dp_slice(torch.arange(start, start + step))
             for m0 in range(0, len(mine), micro):
                 idx = mine[m0:m0 + micro]
-                loss, terms = loss_fn(idx)
+                loss, terms = loss_from_logits(idx, forward_logits(self.model,
+                                                                   pb.input_ids[idx]))
                 (loss * len(idx) / step).backward()
                 for k, v in terms.items():
                     totals[k] = totals.get(k, 0.0) + v * len(idx) / step
@@ -298,12 +318,13 @@ class MegatronTrainer:
         pb = pad_batch(batch, self.pad_token_id).to(self._device)
         saved_t, self.temperature = self.temperature, 1.0
         try:
-            def loss_fn(idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+            def loss_from_logits(idx: torch.Tensor, logits: torch.Tensor
+                                 ) -> tuple[torch.Tensor, dict[str, float]]:
                 sub = pb.select(idx)
-                logp, _ = self.response_logprobs(self.model, sub)
+                logp, _ = self.logprobs_from_logits(logits, sub)
                 loss = alg.sft_loss(logp, sub.mask, "token_mean")
                 return loss, {"sft_loss": float(loss.detach())}
-            return self._optimize(len(batch), loss_fn)
+            return self._from_last_stage(self._optimize(pb, loss_from_logits))
         finally:
             self.temperature = saved_t
 
