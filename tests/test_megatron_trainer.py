@@ -173,3 +173,9 @@ def test_kl_loss_against_frozen_reference(ckpt, batch):
     assert first["kl_loss"] == pytest.approx(0.0, abs=1e-7)
     assert second["kl_loss"] > 1e-6
     assert all(torch.equal(ref[k], initial[k]) for k in initial)
+
+
+def test_rank_failure_is_reported(tmp_path):
+    """A rank that cannot start (no checkpoint) surfaces as an error naming the cause."""
+    with pytest.raises(RuntimeError, match="megatron rank failed"):
+        SpawnedMegatronTrainer(trainer_config(tensor_model_parallel_size=2), str(tmp_path))

@@ -14,6 +14,7 @@ every rank instead: ``init_distributed`` reads the torchrun environment.
 from __future__ import annotations
 
 import os
+import queue
 import traceback
 from typing import Any
 
@@ -86,12 +87,22 @@ class SpawnedMegatronTrainer:
         self.weight_version = int(self._call("__getattr__", "weight_version"))
 
     def _collect(self) -> Any:
-        answers = [box.get() for box in self._outboxes]
+        answers = [self._answer(r) for r in range(self.world)]
         errors = [a[1] for a in answers if a[0] == "err"]
         if errors:
             self.close()
             raise RuntimeError(f"megatron rank failed:\n{errors[0]}")
         return answers[0][1]
+
+    def _answer(self, rank: int) -> tuple[str, Any]:
+        """Rank ``rank``'s next answer; an error answer if the process died without one."""
+        while True:
+            try:
+                return self._outboxes[rank].get(timeout=1.0)
+            except queue.Empty:
+                if not self._procs[rank].is_alive():
+                    return ("err", f"rank {rank} exited with code "
+                                   f"{self._procs[rank].exitcode} without answering")
 
     def _call(self, name: str, *args: Any) -> Any:
         for box in self._inboxes:

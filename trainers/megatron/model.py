@@ -46,6 +46,12 @@ def init_distributed(tp_size: int = 1, pp_size: int = 1, seed: int = 1234) -> No
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp_size,
                                      pipeline_model_parallel_size=pp_size)
+    else:
+        have = (ps.get_tensor_model_parallel_world_size(),
+                ps.get_pipeline_model_parallel_world_size())
+        if have != (tp_size, pp_size):
+            raise ValueError(f"this process already runs megatron with (tensor, pipeline) "
+                             f"parallel sizes {have}, not {(tp_size, pp_size)}")
     if torch.cuda.is_available():
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         model_parallel_cuda_manual_seed(seed)
