@@ -80,15 +80,20 @@ def clip_grad_norm_tp(params: list[torch.nn.Parameter], max_norm: float) -> floa
                 and getattr(p, "tensor_model_parallel", False)]
     grads_rep = [p.grad for p in params if p.grad is not None
                  and not getattr(p, "tensor_model_parallel", False)]
-    sq_tp = sum((g.double().pow(2).sum() for g in grads_tp), torch.zeros((), dtype=torch.float64))
-    sq_rep = sum((g.double().pow(2).sum() for g in grads_rep), torch.zeros((), dtype=torch.float64))
+    device = next((p.device for p in params), torch.device("cpu"))
+
+    def sq(grads: list[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        return torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
+
+    sq_tp, sq_rep = sq(grads_tp), sq(grads_rep)
     if ps.get_tensor_model_parallel_world_size() > 1:
         dist.all_reduce(sq_tp, group=ps.get_tensor_model_parallel_group())
     total = float((sq_tp + sq_rep).sqrt())
     coef = max_norm / (total + 1e-6)
-    if coef < 1.0:
-        for g in grads_tp + grads_rep:
-            g.mul_(coef)
+    if coef < 1.0 and grads_tp + grads_rep:
+        torch._foreach_mul_(grads_tp + grads_rep, coef)
     return total
 
 
