@@ -1,0 +1,181 @@
+"""MegatronTrainer on CPU: the same GRPO step as a plain HF/torch implementation, TP=2 and DP=2
+(spawned gloo ranks) equal to TP=1, and HF checkpoints that HF loads."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.megatron_helpers import (
+    hf_grpo_step,
+    hf_response_logprobs,
+    make_batch,
+    sample_with_megatron,
+    save_tiny_model,
+    trainer_config,
+    weights_of,
+)
+from trainers.megatron.launch import SpawnedMegatronTrainer, make_megatron_trainer
+from trainers.megatron.trainer import MegatronTrainer
+
+pytestmark = pytest.mark.megatron
+torch.set_num_threads(1)
+
+LOGP_TOL = 1e-5
+# One AdamW step moves each weight by about lr (1e-3); fp32 summation-order noise in the
+# gradients changes that by far less than 1e-5.
+WEIGHT_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    model = save_tiny_model(str(path), "qwen2", tie=True)  # vocab 31: padded to 32 under TP=2
+    return str(path), model
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return make_batch(n_groups=2, n_per=4)
+
+
+@pytest.fixture(scope="module")
+def tp1(ckpt, batch):
+    """TP=1 in-process: log-probs before, metrics of one train call, weights after."""
+    trainer = MegatronTrainer(trainer_config(), ckpt[0])
+    logp = trainer.compute_logprobs(batch)
+    metrics = trainer.train(batch)
+    weights = trainer.hf_state_dict()
+    trainer.close()
+    return logp, metrics, weights
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt, batch):
+    model = copy.deepcopy(ckpt[1])
+    cfg = trainer_config()
+    with torch.no_grad():
+        logp, _, mask = hf_response_logprobs(model, batch, cfg.rollout_temperature)
+    metrics = hf_grpo_step(model, batch, cfg)
+    return logp * mask, metrics, weights_of(model)
+
+
+def assert_weights_close(got: dict, want: dict, tol: float) -> None:
+    assert got.keys() == want.keys()
+    worst = max(float((got[k] - want[k]).abs().max()) for k in want)
+    assert worst <= tol, worst
+
+
+def test_tp1_matches_plain_hf_grpo_step(tp1, reference, ckpt):
+    logp, metrics, weights = tp1
+    ref_logp, ref_metrics, ref_weights = reference
+    torch.testing.assert_close(logp, ref_logp, atol=LOGP_TOL, rtol=0)
+    for k in ("pg_loss", "entropy_loss", "grad_norm"):
+        assert metrics[k] == pytest.approx(ref_metrics[k], abs=1e-5), k
+    assert metrics["optimizer_steps"] == 1.0 and metrics["ppo_kl"] == pytest.approx(0, abs=1e-6)
+    moved = max(float((weights[k] - ckpt[1].state_dict()[k]).abs().max()) for k in weights)
+    assert moved > 1e-4  # the step did change the weights
+    assert_weights_close(weights, ref_weights, WEIGHT_TOL)
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_model_parallel_size=2),
+                                    dict(data_parallel_size=2)], ids=["tp2", "dp2"])
+def test_two_ranks_equal_tp1_and_save_hf(layout, ckpt, batch, tp1, reference, tmp_path):
+    logp1, metrics1, _ = tp1
+    _, _, ref_weights = reference
+    trainer = make_megatron_trainer(trainer_config(**layout), ckpt[0])
+    assert isinstance(trainer, SpawnedMegatronTrainer) and trainer.world == 2
+    try:
+        logp = trainer.compute_logprobs(batch)
+        torch.testing.assert_close(logp, logp1, atol=LOGP_TOL, rtol=0)
+        metrics = trainer.train(batch)
+        for k in ("pg_loss", "entropy_loss", "grad_norm"):
+            assert metrics[k] == pytest.approx(metrics1[k], abs=1e-5), k
+        assert trainer.weight_version == 1
+        assert_weights_close(trainer.hf_state_dict(), ref_weights, WEIGHT_TOL)
+        out = tmp_path / "v1"
+        trainer.save(str(out))
+        after = trainer.compute_logprobs(batch)
+    finally:
+        trainer.close()
+    hf = AutoModelForCausalLM.from_pretrained(str(out)).float().eval()
+    assert_weights_close(weights_of(hf), ref_weights, WEIGHT_TOL)
+    with torch.no_grad():
+        hf_logp, _, mask = hf_response_logprobs(hf, batch, trainer_config().rollout_temperature)
+    torch.testing.assert_close(after, hf_logp * mask, atol=LOGP_TOL, rtol=0)
+
+
+def test_save_load_resumes_state(ckpt, batch, tmp_path):
+    cfg = trainer_config()
+    a = MegatronTrainer(cfg, ckpt[0])
+    a.train(batch)
+    a.save(str(tmp_path / "v1"))
+    second = a.train(batch)
+    after_two = a.hf_state_dict()
+    b = MegatronTrainer(cfg, ckpt[0])
+    b.load(str(tmp_path / "v1"))
+    assert b.weight_version == 1
+    again = b.train(batch)
+    assert again["pg_loss"] == pytest.approx(second["pg_loss"], abs=1e-6)
+    assert_weights_close(b.hf_state_dict(), after_two, 1e-6)  # optimizer moments restored
+    a.close()
+    b.close()
+
+
+def test_sft_step_lowers_loss(ckpt, batch):
+    trainer = MegatronTrainer(trainer_config(lr=1e-2), ckpt[0])
+    first = trainer.train_sft(batch)["sft_loss"]
+    for _ in range(3):
+        last = trainer.train_sft(batch)["sft_loss"]
+    trainer.close()
+    assert last < first - 0.05
+
+
+def test_pipeline_parallel_on_cpu_is_refused(ckpt):
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size=2"):
+        MegatronTrainer(trainer_config(pipeline_model_parallel_size=2), ckpt[0])
+
+
+def test_grpo_learns_a_target_token(ckpt):
+    """A few GRPO iterations on the trainer's own samples raise the reward
+    (fraction of response tokens equal to 7: about 1/31 at random init)."""
+    cfg = trainer_config(lr=1e-2, n_samples_per_prompt=8, global_batch_size=32,
+                         micro_batch_size=32, rollout_temperature=1.0, entropy_coef=0.0)
+    trainer = MegatronTrainer(cfg, ckpt[0])
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]
+    rewards = []
+    for _ in range(12):
+        batch = sample_with_megatron(trainer, prompts, 8, 3, 1.0, gen)
+        batch.rewards = [r.count(7) / 3 for r in batch.response_token_ids]
+        rewards.append(sum(batch.rewards) / len(batch.rewards))
+        metrics = trainer.train(batch)
+        assert metrics["train_rollout_logprob_abs_diff"] < 1e-4
+    trainer.close()
+    assert sum(rewards[:3]) / 3 < 0.15
+    assert sum(rewards[-3:]) / 3 > 0.5, rewards
+
+
+def test_kl_loss_against_frozen_reference(ckpt, batch):
+    """use_kl_loss: KL to the initial policy is 0 on the first call, > 0 once the policy moved,
+    and the reference copy does not move."""
+    trainer = MegatronTrainer(trainer_config(use_kl_loss=True, kl_loss_coef=0.1), ckpt[0])
+    first = trainer.train(batch)
+    second = trainer.train(batch)
+    ref = {k: v for k, v in trainer.ref_model.state_dict().items() if "extra_state" not in k}
+    fresh = MegatronTrainer(trainer_config(), ckpt[0])
+    initial = fresh.local_state_dict()
+    fresh.close()
+    trainer.close()
+    assert first["kl_loss"] == pytest.approx(0.0, abs=1e-7)
+    assert second["kl_loss"] > 1e-6
+    assert all(torch.equal(ref[k], initial[k]) for k in initial)
+
+
+def test_rank_failure_is_reported(tmp_path):
+    """A rank that cannot start (no checkpoint) surfaces as an error naming the cause."""
+    with pytest.raises(RuntimeError, match="megatron rank failed"):
+        SpawnedMegatronTrainer(trainer_config(tensor_model_parallel_size=2), str(tmp_path))

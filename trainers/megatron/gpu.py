@@ -1,0 +1,147 @@
+"""The GPU path of the megatron backend: megatron's DistributedDataParallel, its optimizer
+(Adam with decoupled weight decay, grad clipping, bf16 master weights) and its forward/backward
+schedule (``get_forward_backward_func``: no-pipelining or 1F1B over PP stages).
+
+UNTESTED on the machines this project is developed on (CPU only); written against
+megatron-core 0.16.1's API. The CPU path in ``trainer.py`` computes the same loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from trainers.megatron.losses import cfg_get
+
+Tensor = torch.Tensor
+
+
+def wrap_model_and_optimizer(model: torch.nn.Module, tf_config: Any, cfg: Any):
+    """(DDP-wrapped model, megatron optimizer) for ``model`` already on the GPU; ``tf_config``
+    must be the model's own ``TransformerConfig`` (the schedule reads hooks from it)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(
+        config=tf_config,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                 overlap_grad_reduce=False,
+                                                 use_distributed_optimizer=False),
+        module=model)
+    opt_cfg = OptimizerConfig(
+        optimizer="adam", lr=float(cfg.lr), weight_decay=cfg_get(cfg, "weight_decay", 0.0),
+        adam_beta1=cfg_get(cfg, "adam_beta1", 0.9), adam_beta2=cfg_get(cfg, "adam_beta2", 0.99),
+        clip_grad=float(cfg_get(cfg, "clip_grad", 1.0)), bf16=tf_config.bf16,
+        fp16=tf_config.fp16, params_dtype=tf_config.params_dtype)
+    optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    # What megatron's training loop wires into the model config before using its schedules:
+    # loss scaling (fp16), no-sync during accumulation, and the DP gradient all-reduce at the end.
+    from megatron.core.distributed import finalize_model_grads
+    tf_config.grad_scale_func = optimizer.scale_loss
+    tf_config.no_sync_func = ddp.no_sync
+    tf_config.finalize_model_grads_func = finalize_model_grads
+    return ddp, optimizer
+
+
+def _micro_batches(trainer: Any, start: int, step: int, micro: int) -> list[Tensor]:
+    """This DP rank's micro-batch index tensors of the step starting at ``start``."""
+    return list(trainer._dp_slice(torch.arange(start, start + step)).split(micro))
+
+
+def _run_schedule(trainer: Any, model: Any, pb: Any, micro_batches: list[Tensor],
+                  loss_func: Callable[[Tensor, Tensor], tuple[Tensor, dict[str, Any]]],
+                  forward_only: bool) -> list[dict[str, Any]]:
+    """megatron's forward/backward schedule (1F1B over PP stages, or no pipelining) over
+    ``micro_batches``: each forward_step runs the (stage of the) model on the micro-batch's
+    right-padded tokens; on the last stage ``loss_func(idx, logits)`` gives (loss, data).
+    Returns the per-micro-batch data (last stage only; empty elsewhere)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from trainers.megatron.model import forward_logits
+
+    def forward_step(data_iterator, stage_model):
+        idx = next(data_iterator)
+        return forward_logits(stage_model, pb.input_ids[idx]), partial(loss_func, idx)
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
+        num_microbatches=len(micro_batches), seq_length=pb.input_ids.shape[1],
+        micro_batch_size=len(micro_batches[0]), forward_only=forward_only)
+
+
+def forward_only_logprobs(trainer: Any, model: Any, pb: Any) -> Tensor:
+    """[B, T] response log-probs without gradients, micro-batch by micro-batch through the
+    schedule; with PP only the last stage has them (zeros elsewhere)."""
+    from megatron.core import parallel_state as ps
+
+    n = pb.input_ids.shape[0]
+    micro = min(int(trainer.cfg.micro_batch_size), n)
+    chunks = list(torch.arange(n).split(micro))
+    out = torch.zeros(pb.response_ids.shape, device=pb.response_ids.device)
+
+    def collect(idx: Tensor, logits: Tensor) -> tuple[Tensor, dict[str, Any]]:
+        logp, _ = trainer.logprobs_from_logits(logits, pb.select(idx))
+        return logp.sum() * 0.0, {"idx": idx, "logp": logp}
+
+    # Variable-size last micro-batch: run the schedule per equal-size group of micro-batches.
+    for group in _equal_size_groups(chunks):
+        with torch.no_grad():
+            results = _run_schedule(trainer, model, pb, group, collect, forward_only=True)
+        if ps.is_pipeline_last_stage():
+            for r in results:
+                out[r["idx"]] = r["logp"].float()
+    return out
+
+
+def _equal_size_groups(chunks: list[Tensor]) -> list[list[Tensor]]:
+    groups: list[list[Tensor]] = []
+    for c in chunks:
+        if groups and len(groups[-1][0]) == len(c):
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    return groups
+
+
+def optimize(trainer: Any, pb: Any, step: int, micro: int,
+             loss_from_logits: Callable[[Tensor, Tensor], tuple[Tensor, dict[str, float]]]
+             ) -> dict[str, float]:
+    """Optimizer steps with megatron's schedule, DDP and optimizer. Each step's samples are
+    split over DP ranks and into micro-batches of ``micro``; the schedule divides each
+    micro-batch loss by the number of micro-batches and DDP averages over DP, so micro-batches
+    must be equal-sized: ``global_batch_size`` must be a multiple of ``dp * micro_batch_size``.
+    Metrics are the last stage's, averaged over micro-batches, DP ranks and steps."""
+    from megatron.core import parallel_state as ps
+
+    if step % (trainer.dp * micro):
+        raise ValueError(f"trainer.global_batch_size={step} must be a multiple of data parallel "
+                         f"size {trainer.dp} * micro_batch_size {micro} on GPU")
+    n = pb.input_ids.shape[0]
+    totals: dict[str, float] = {}
+    steps = 0
+    for start in range(0, n - step + 1, step):
+        trainer.model.zero_grad_buffer()
+        trainer.optimizer.zero_grad()
+        results = _run_schedule(trainer, trainer.model, pb,
+                                _micro_batches(trainer, start, step, micro),
+                                loss_from_logits, forward_only=False)
+        ok, grad_norm, _ = trainer.optimizer.step()
+        if not ok:
+            raise FloatingPointError("megatron optimizer step skipped (inf/nan gradients)")
+        for r in results:
+            for k, v in r.items():
+                totals[k] = totals.get(k, 0.0) + float(v) / len(results)
+        totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(grad_norm or 0.0)
+        steps += 1
+    if trainer.dp > 1:
+        keys = sorted(k for k in totals if k != "grad_norm")
+        vals = torch.tensor([totals.get(k, 0.0) for k in keys], dtype=torch.float64,
+                            device="cuda")
+        torch.distributed.all_reduce(vals, group=ps.get_data_parallel_group())
+        totals.update(zip(keys, (vals / trainer.dp).tolist(), strict=True))
+    out = {k: v / max(steps, 1) for k, v in totals.items()}
+    out["optimizer_steps"] = float(steps)
+    return out
