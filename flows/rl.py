@@ -151,6 +151,8 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
         raise
     finally:
         rt.engine.shutdown()
+        if hasattr(rt.trainer, "close"):
+            rt.trainer.close()
         RUNTIMES.pop(rt.run_id, None)
 
 

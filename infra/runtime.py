@@ -99,16 +99,19 @@ def _make_engine(cfg: RunConfig, model_dir: Path, tokenizer, version: int) -> Ro
 
         return TorchEngine(str(model_dir), tokenizer.eos_token_id, tokenizer.pad_token_id,
                            weight_version=version, seed=cfg.seed)
-    from rollout.sglang import SGLangEngine  # noqa: PLC0415 - optional backend
+    from rollout.sglang import SGLangEngine
 
     return SGLangEngine.from_config(cfg, str(model_dir), weight_version=version)
 
 
 def _make_trainer(cfg: RunConfig, model_dir: Path, tokenizer, version: int):
     if cfg.trainer.backend == "megatron":
-        from trainers.megatron import MegatronTrainer  # noqa: PLC0415 - optional backend
+        from trainers.megatron.launch import make_megatron_trainer
 
-        return MegatronTrainer(cfg, str(model_dir))
+        return make_megatron_trainer(cfg.trainer, str(model_dir),
+                                     n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+                                     rollout_temperature=cfg.rollout.rollout_temperature,
+                                     weight_version=version, pad_token_id=tokenizer.pad_token_id)
     return TorchTrainer(str(model_dir), cfg.trainer, cfg.rollout.n_samples_per_prompt,
                         cfg.rollout.rollout_temperature, weight_version=version,
                         pad_token_id=tokenizer.pad_token_id)

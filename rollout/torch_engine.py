@@ -11,8 +11,8 @@ import torch
 from transformers import DynamicCache
 
 from infra.modeling import load_model
-from rollout.fast_decoder import FastDecoder, supports
 from rollout.engine import GenerationResult, SamplingParams
+from rollout.fast_decoder import FastDecoder, supports
 
 
 def sample_next_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,

@@ -14,6 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from infra.runtime import Runtime
 from rewards.registry import score_samples
 from rollout.rollout import encode_prompt, generate_samples, make_samples
+from tasks.train import in_process_weights
 from trainers.base import TrainBatch
 
 
@@ -34,9 +35,10 @@ def sft_batch(rt: Runtime, step: int) -> TrainBatch:
 
 def training_accuracy(rt: Runtime) -> float:
     """Greedy accuracy of the trainer's current weights on the first check_size training problems."""
-    if hasattr(rt.engine, "load_state_dict"):
-        rt.engine.load_state_dict(rt.trainer.state_dict(), rt.engine.weight_version)
-    else:  # an out-of-process engine (SGLang) loads from disk
+    weights = in_process_weights(rt)
+    if weights is not None:
+        rt.engine.load_state_dict(weights, rt.engine.weight_version)
+    else:  # an out-of-process engine (SGLang), or trainer ranks in other processes
         path = rt.run_dir / "sft_check"
         rt.trainer.save(str(path))
         rt.engine.update_weights(str(path), rt.engine.weight_version)

@@ -23,12 +23,24 @@ def publish_weights(rt: Runtime, weight_version: int) -> str:
     """Save weights ``v`` as an HF checkpoint (atomic rename) and hand them to the engine."""
     path = rt.checkpoint_dir(weight_version)
     rt.trainer.save(str(path))
-    if hasattr(rt.engine, "load_state_dict") and hasattr(rt.trainer, "state_dict"):
-        rt.engine.load_state_dict(rt.trainer.state_dict(), weight_version)
+    weights = in_process_weights(rt)
+    if weights is not None:
+        rt.engine.load_state_dict(weights, weight_version)
     else:
         rt.engine.update_weights(str(path), weight_version)
     rt.prune_checkpoints(keep_version=weight_version)
     return str(path)
+
+
+def in_process_weights(rt: Runtime) -> dict | None:
+    """HF-named weights to hand to an in-process engine without a disk round trip, or None
+    (an out-of-process engine, or a trainer whose weights live in other processes)."""
+    if not hasattr(rt.engine, "load_state_dict"):
+        return None
+    for name in ("hf_state_dict", "state_dict"):
+        if hasattr(rt.trainer, name):
+            return getattr(rt.trainer, name)()
+    return None
 
 
 @task(name="log_metrics", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)

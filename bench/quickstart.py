@@ -1,0 +1,98 @@
+"""Quickstart benchmark: the per-iteration time split of a short run, and the torch engine's
+generation throughput against transformers' own ``generate``.
+
+    python bench/quickstart.py [--iterations 8]
+
+Prints figures, then one JSON line. Timings on a shared 2-core machine are noisy: compare the
+ratios within one run, not absolute seconds across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from infra.env import configure_environment  # noqa: E402
+
+PHASES = ["generate", "score", "lake_write", "slice_read", "train", "publish", "record"]
+
+
+def engine_vs_generate(batch: int = 64, new_tokens: int = 64, reps: int = 5) -> dict:
+    """Tokens/s of TorchEngine vs HF generate, sampling, same model and prompts, alternated."""
+    import torch
+
+    from infra.config import TinyModelConfig
+    from infra.modeling import build_tiny_model, load_tokenizer
+    from rollout.engine import SamplingParams
+    from rollout.torch_engine import TorchEngine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_model(tmp, TinyModelConfig(max_position_embeddings=128))
+        tok = load_tokenizer(path)
+        engine = TorchEngine(str(path), eos_token_id=-1, pad_token_id=tok.pad_token_id)
+        prompts = [[tok.bos_token_id, *tok(f"{10 + i}+{99 - i}=", add_special_tokens=False)["input_ids"]]
+                   for i in range(batch)]
+        ids = torch.tensor(prompts)
+        sampling = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
+        ours, theirs = [], []
+        for _ in range(reps):
+            start = time.perf_counter()
+            out = engine.generate(prompts, sampling)
+            ours.append(sum(len(r.token_ids) for r in out) / (time.perf_counter() - start))
+            start = time.perf_counter()
+            with torch.no_grad():
+                gen = engine.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                            max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                            pad_token_id=tok.pad_token_id)
+            theirs.append((gen.shape[1] - ids.shape[1]) * batch / (time.perf_counter() - start))
+    return {"engine_tokens_per_s": statistics.median(ours),
+            "hf_generate_tokens_per_s": statistics.median(theirs),
+            "engine_speedup": statistics.median(ours) / statistics.median(theirs),
+            "batch": batch, "new_tokens": new_tokens}
+
+
+def iteration_split(iterations: int) -> dict:
+    """Run the pipeline (short SFT, ``iterations`` RL iterations) and read the split back."""
+    from buffer import Lake
+    from flows.rl import rl_run
+    from infra.config import load_config
+
+    home = tempfile.mkdtemp(prefix="rlake-bench-")
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml",
+                      [f"home={home}", f"num_rollout={iterations}", "sft.steps=20",
+                       f"eval.eval_interval={iterations + 1}"])
+    configure_environment(home)
+    rl_run(cfg.model_dump(), run_id="bench")
+    steps = Lake(cfg.resolved_lake_uri).read("train_steps", run_id="bench").to_pylist()
+    # iteration 0 pays one-off warm-up: leave it out
+    rows = [json.loads(s["metrics"]) for s in steps[1:]]
+    out = {}
+    for phase in PHASES + ["total"]:
+        out[phase] = statistics.median(r.get(f"time/{phase}", 0.0) for r in rows)
+    out["orchestration"] = out["total"] - sum(out[p] for p in PHASES)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=8)
+    args = parser.parse_args()
+    configure_environment(tempfile.mkdtemp(prefix="rlake-bench-env-"))
+    gen = engine_vs_generate()
+    print(f"torch engine: {gen['engine_tokens_per_s']:.0f} tok/s, HF generate: "
+          f"{gen['hf_generate_tokens_per_s']:.0f} tok/s -> {gen['engine_speedup']:.2f}x "
+          f"(batch {gen['batch']}, {gen['new_tokens']} new tokens, sampling)")
+    split = iteration_split(args.iterations)
+    print("per-iteration median seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
+    print(json.dumps({"bench": "quickstart", "generation": gen, "iteration_seconds": split}))
+
+
+if __name__ == "__main__":
+    main()
