@@ -78,7 +78,12 @@ class TorchEngine:
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], weight_version: int) -> None:
         """In-process weight hand-off (no disk round trip) from a trainer in the same process."""
-        self.model.load_state_dict(state_dict)
+        result = self.model.load_state_dict(state_dict, strict=False)
+        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        missing = set(result.missing_keys) - ({"lm_head.weight"} if tied else set())
+        if missing or result.unexpected_keys:
+            raise ValueError(f"weights do not fit the engine's model: missing {sorted(missing)}, "
+                             f"unexpected {sorted(result.unexpected_keys)}")
         if self.fast is not None:
             self.fast = FastDecoder(self.model)
         self._weight_version = weight_version
