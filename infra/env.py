@@ -5,6 +5,7 @@ Must run before Prefect or MLflow is imported: both read their settings at impor
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -43,6 +44,8 @@ def configure_environment(home: str | Path, torch_threads: int = 1) -> Path:
         os.environ.setdefault(key, value)
     os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))
     os.environ.setdefault("OMP_NUM_THREADS", str(torch_threads))
+    for name in ("mlflow", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     import torch
 
     torch.set_num_threads(torch_threads)

@@ -34,3 +34,15 @@ def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: float =
 @pytest.fixture(scope="session")
 def cli():
     return run_cli
+
+
+@pytest.fixture(scope="session")
+def warm_model(tmp_path_factory):
+    """The quickstart's SFT warm-up alone (``num_rollout=0``), run once per test session through
+    the CLI: its weight version 0 is the starting point of the learning tests."""
+    home = tmp_path_factory.mktemp("warmup-home")
+    proc = run_cli(["run", "configs/quickstart.yaml", "--run-id", "warmup", "--set", f"home={home}",
+                    "--set", "num_rollout=0"], env={"PREFECT_HOME": str(home / "prefect")})
+    checkpoint = home / "runs" / "warmup" / "checkpoints" / "v000000"
+    assert (checkpoint / "config.json").exists(), proc.stdout[-2000:]
+    return {"home": home, "run_id": "warmup", "checkpoint": checkpoint, "proc": proc}

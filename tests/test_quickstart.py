@@ -1,7 +1,9 @@
-"""End to end: a shortened quickstart through the real CLI, asserted on its records.
+"""End to end: the quickstart through the real CLI, asserted on its records.
 
-One run (SFT warm-up, then GRPO iterations, each a Prefect flow run) is shared by the tests of
-this module: the lake, MLflow, Prefect's database, the checkpoints and held-out accuracy.
+The SFT warm-up runs once per session (``warm_model``, a run with ``num_rollout=0``); a second
+run starts from its weight version 0 and does GRPO iterations, each a Prefect flow run. The tests
+here read both runs' records: the lake, MLflow, Prefect's database, the checkpoints, and
+held-out accuracy before and after RL.
 """
 
 from __future__ import annotations
@@ -24,15 +26,17 @@ RUN_ID = "e2e-quickstart"
 
 
 @pytest.fixture(scope="module")
-def quickstart(tmp_path_factory, cli):
+def quickstart(tmp_path_factory, cli, warm_model):
     home = tmp_path_factory.mktemp("quickstart-home")
     args = ["run", "configs/quickstart.yaml", "--run-id", RUN_ID,
+            "--set", f"model.path={warm_model['checkpoint']}", "--set", "sft.enabled=false",
             "--set", f"home={home}", "--set", f"num_rollout={ITERATIONS}",
             "--set", f"rollout.rollout_batch_size={BATCH}", "--set", f"rollout.n_samples_per_prompt={N}",
             "--set", "eval.eval_interval=20"]
     proc = cli(args, env={"PREFECT_HOME": str(home / "prefect")})
     cfg = load_config("configs/quickstart.yaml", [f"home={home}"])
-    return {"home": home, "proc": proc, "lake": Lake(str(home / "lake")), "cfg": cfg}
+    return {"home": home, "proc": proc, "lake": Lake(str(home / "lake")), "cfg": cfg,
+            "warm_checkpoint": warm_model["checkpoint"]}
 
 
 def test_cli_prints_summary(quickstart):
@@ -84,21 +88,35 @@ def test_mlflow_has_per_iteration_metrics_and_weight_versions(quickstart):
     assert client.get_metric_history(run.info.run_id, "eval/accuracy")
 
 
-def test_prefect_flow_runs_completed(quickstart):
-    db = Path(quickstart["home"]) / "prefect" / "prefect.db"
-    with sqlite3.connect(db) as conn:
+def flow_run_states(home: Path) -> dict[str, list[str]]:
+    """{flow name: [state of each of its flow runs]} from Prefect's database."""
+    with sqlite3.connect(Path(home) / "prefect" / "prefect.db") as conn:
         rows = conn.execute("SELECT f.name, r.state_type FROM flow_run r JOIN flow f ON r.flow_id = f.id").fetchall()
     by_flow: dict[str, list[str]] = {}
     for name, state in rows:
         by_flow.setdefault(name, []).append(state)
+    return by_flow
+
+
+def test_prefect_flow_runs_completed(quickstart, warm_model):
+    by_flow = flow_run_states(quickstart["home"])
     assert by_flow["rl_iteration"] == ["COMPLETED"] * ITERATIONS
-    assert by_flow["sft_warmup"] == ["COMPLETED"]
     assert by_flow["rl_run"] == ["COMPLETED"]
+    assert "sft_warmup" not in by_flow
+    warm = flow_run_states(warm_model["home"])
+    assert warm["sft_warmup"] == ["COMPLETED"] and warm["rl_run"] == ["COMPLETED"]
+    assert "rl_iteration" not in warm
+
+
+def test_sft_warmup_reaches_a_middling_start(warm_model):
+    evals = Lake(str(warm_model["home"] / "lake")).read("evals", run_id="warmup").to_pylist()
+    assert [e["weight_version"] for e in evals] == [0]
+    assert 0.3 <= evals[0]["value"] <= 0.85, evals
 
 
 def test_weights_changed_and_checkpoints_are_hf(quickstart):
     run_dir = Path(quickstart["home"]) / "runs" / RUN_ID
-    base = load_file(run_dir / "base_model" / "model.safetensors")
+    base = load_file(Path(quickstart["warm_checkpoint"]) / "model.safetensors")
     last = load_file(run_dir / "checkpoints" / f"v{ITERATIONS:06d}" / "model.safetensors")
     prev = load_file(run_dir / "checkpoints" / f"v{ITERATIONS - 1:06d}" / "model.safetensors")
     assert base.keys() == last.keys()
