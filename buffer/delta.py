@@ -32,6 +32,10 @@ from buffer.schema import KEYS, PARTITIONS, SCHEMA_VERSION, SCHEMA_VERSION_KEY, 
 
 MAX_ATTEMPTS = 200
 ROW_GROUP_SIZE = 4096
+# delta-rs lists files slowly from JSON commits (~1-2 ms per commit since the last checkpoint, per
+# call) and fast from a checkpoint: checkpoint often, and reopen cached tables after as many commits.
+CHECKPOINT_INTERVAL = 10
+TABLE_PROPERTIES = {"delta.checkpointInterval": str(CHECKPOINT_INTERVAL)}
 
 
 def is_local(uri: str) -> bool:
@@ -116,6 +120,7 @@ def create_table(uri: str, name: str, storage_options: dict | None) -> DeltaTabl
                 partition_by=PARTITIONS.get(name),
                 name=name,
                 description=f"rlake {name} (schema version {SCHEMA_VERSION})",
+                configuration=TABLE_PROPERTIES,
                 storage_options=storage_options,
             )
             set_schema_version(dt)

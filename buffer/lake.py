@@ -87,6 +87,7 @@ class Lake:
         self.uri = delta.normalize_uri(str(lake_uri))
         self.storage_options = dict(storage_options) if storage_options else None
         self._tables: dict[str, DeltaTable] = {}
+        self._loaded_at: dict[str, int] = {}
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
@@ -98,16 +99,24 @@ class Lake:
         return f"{self.uri}/{table}"
 
     def _table(self, table: str, create: bool = False) -> DeltaTable | None:
-        """The cached DeltaTable of ``table`` brought up to date, created if ``create``."""
+        """The cached DeltaTable of ``table`` brought up to date, created if ``create``.
+
+        A cached table is reopened once it is ``CHECKPOINT_INTERVAL`` commits past the version it
+        was loaded at: delta-rs keeps one in-memory batch per incrementally applied commit, which
+        makes file listing (every slice and append) slow, while a fresh load starts from the
+        latest checkpoint.
+        """
         dt = self._tables.get(table)
         if dt is not None:
             dt.update_incremental()
-            return dt
+            if dt.version() - self._loaded_at[table] < delta.CHECKPOINT_INTERVAL:
+                return dt
         uri = self.table_uri(table)
         dt = delta.create_table(uri, table, self.storage_options) if create else delta.open_table(
             uri, self.storage_options)
         if dt is not None:
             self._tables[table] = dt
+            self._loaded_at[table] = dt.version()
         return dt
 
     def _snapshot(self, table: str, as_of: int | str | datetime | None) -> DeltaTable | None:
