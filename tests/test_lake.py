@@ -180,3 +180,23 @@ def test_compact_keeps_rows_and_slices_vacuum_and_history(lake):
         lake.read("trajectories", as_of=versions[2])
     with pytest.raises(ValueError, match="does not exist"):
         compact(lake, "evals")
+
+
+def test_run_ids_with_special_characters(lake):
+    rid = "a b/c:d%e=f'g"
+    assert lake.append_trajectories(synthetic_rows(rid, 0, 3)) is not None
+    assert lake.append_trajectories(synthetic_rows(rid, 0, 3)) is None
+    lake.append_trajectories(synthetic_rows("plain", 0, 2))
+    assert lake.training_slice(rid, 0).num_rows == 3
+    assert lake.read("trajectories", run_id=rid).num_rows == 3
+    lake.upsert_run({"run_id": rid, "status": "running"})
+    lake.upsert_run({"run_id": rid, "status": "done"})
+    assert lake.get_run(rid)["status"] == "done" and lake.read("runs").num_rows == 1
+
+
+def test_steps_without_base_version_still_exclude_their_samples(lake):
+    lake.append_trajectories(synthetic_rows("r", 0, 4, weight_version=5))
+    lake.append_train_step({"run_id": "r", "step": 0, "sample_uids": ["r/0/1"]})  # no base_version
+    lake.append_train_step({"run_id": "r", "step": 1, "base_version": 2, "sample_uids": []})
+    assert lake.training_slice("r", 5).column("sample_uid").to_pylist() == ["r/0/0", "r/0/2", "r/0/3"]
+    assert lake.training_slice("other", 0).num_rows == 0
