@@ -3,7 +3,9 @@
 Appends write one small file per batch; ``compact`` rewrites a table's small files into larger
 ones whose Parquet row groups stay small (``max_row_group_size``), so slice reads keep skipping
 row groups by statistics. By default it also sorts the rewritten data by the table's slice column
-(``weight_version`` for trajectories) so per-file min/max statistics stay tight. Compaction changes
+(``weight_version`` for trajectories; a one-column Z-order is a sort) so row-group min/max
+statistics stay tight. (A Z-order over two columns interleaves them and leaves every row group
+spanning most versions: measured, slices then read everything.) Compaction changes
 no data (``dataChange=false``): concurrent appends and slices are unaffected.
 
 ``vacuum`` deletes files no longer referenced by versions newer than the retention period
@@ -24,8 +26,8 @@ from buffer.lake import Lake
 DEFAULT_RETENTION_HOURS = 168
 TARGET_FILE_SIZE = 128 * 1024 * 1024
 SORT_COLUMNS: dict[str, list[str]] = {
-    "trajectories": ["weight_version", "iteration"],
-    "train_steps": ["base_version", "step"],
+    "trajectories": ["weight_version"],
+    "train_steps": ["base_version"],
     "evals": ["weight_version"],
 }
 
@@ -42,7 +44,7 @@ def compact(lake: Lake, table: str = "trajectories", run_id: str | None = None,
             sort: bool = True, checkpoint: bool = True) -> dict[str, Any]:
     """Rewrite ``table``'s small files (one run's partition if ``run_id``); return the metrics.
 
-    ``sort`` orders rewritten rows by ``SORT_COLUMNS[table]`` (a Z-order on those columns);
+    ``sort`` orders rewritten rows by ``SORT_COLUMNS[table]`` (a one-column Z-order, i.e. a sort);
     otherwise files are bin-packed as they are. ``checkpoint`` writes a Delta checkpoint after,
     so opening the table reads one Parquet file instead of every JSON commit.
     """
