@@ -43,28 +43,34 @@ def median_ms(fn, repeat: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def bench_append(root: Path, base: pa.Table, batches: int) -> dict:
-    """Append ``batches`` 512-row batches to a fresh lake vs ``pq.write_table`` of the same batches."""
-    data = [relabel(base, "append", i) for i in range(batches)]
+def bench_append(root: Path, base: pa.Table, batches: int, group: int = 1) -> dict:
+    """Append ``batches`` batches of ``group`` x 512 rows to a fresh lake vs ``pq.write_table``."""
+    data = [pa.concat_tables([relabel(base, f"append{group}", i * group + j) for j in range(group)])
+            for i in range(batches)]
     nbytes = sum(b.nbytes for b in data)
-    raw_dir = root / "raw"
+    raw_dir = root / f"raw{group}"
     raw_dir.mkdir()
-    lake = Lake(str(root / "append-lake"))
-    lake.append_trajectories(relabel(base, "append", -1))  # table creation is not timed
-    per, raw = [], []
+    lake = Lake(str(root / f"append-lake{group}"))
+    lake.append_trajectories(relabel(base, f"append{group}", -1))  # table creation is not timed
+    per, raw, per_cpu, raw_cpu = [], [], [], []
     for i, b in enumerate(data):  # interleaved, so both see the same machine load
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         pq.write_table(b, raw_dir / f"{i}.parquet")
         raw.append(time.perf_counter() - t)
-        t = time.perf_counter()
+        raw_cpu.append(time.process_time() - c)
+        t, c = time.perf_counter(), time.process_time()
         lake.append_trajectories(b)
         per.append(time.perf_counter() - t)
+        per_cpu.append(time.process_time() - c)
     lake_s, raw_s = sum(per), sum(raw)
     t = time.perf_counter()
     for b in data[: max(1, batches // 5)]:
         lake.append_trajectories(b)  # retries of already written batches: a check, no commit
     dup_ms = 1000 * (time.perf_counter() - t) / max(1, batches // 5)
-    rows = batches * BATCH
+    rows = batches * BATCH * group
+    if group != 1:
+        return {f"append_vs_parquet_cpu_ratio_{group * BATCH}_rows": sum(per_cpu) / sum(raw_cpu),
+                f"append_rows_per_s_{group * BATCH}_rows": rows / lake_s}
     return {
         "append_batches": batches,
         "append_rows_per_s": rows / lake_s,
@@ -75,6 +81,10 @@ def bench_append(root: Path, base: pa.Table, batches: int) -> dict:
         "parquet_ms_median": 1000 * statistics.median(raw),
         "append_vs_parquet_time_ratio": lake_s / raw_s,
         "append_vs_parquet_median_ratio": statistics.median(per) / statistics.median(raw),
+        # CPU seconds of this process (all threads): robust to other load on a shared machine
+        "append_cpu_ms_median": 1000 * statistics.median(per_cpu),
+        "parquet_cpu_ms_median": 1000 * statistics.median(raw_cpu),
+        "append_vs_parquet_cpu_ratio": sum(per_cpu) / sum(raw_cpu),
         "duplicate_append_ms": dup_ms,
     }
 
@@ -162,10 +172,13 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         t0 = time.perf_counter()
         result.update(bench_append(root, base, args.batches))
+        result.update(bench_append(root, base, max(2, args.batches // 5), group=8))
         print(f"append: {result['append_rows_per_s']:.0f} rows/s, {result['append_mb_per_s']:.1f} MB/s, "
               f"median {result['append_ms_median']:.1f} ms/batch; raw parquet "
               f"{result['parquet_rows_per_s']:.0f} rows/s -> lake/parquet time x"
-              f"{result['append_vs_parquet_time_ratio']:.2f} (medians x{result['append_vs_parquet_median_ratio']:.2f}); duplicate batch {result['duplicate_append_ms']:.1f} ms",
+              f"{result['append_vs_parquet_time_ratio']:.2f} (medians x{result['append_vs_parquet_median_ratio']:.2f}, "
+              f"CPU time x{result['append_vs_parquet_cpu_ratio']:.2f}); duplicate batch {result['duplicate_append_ms']:.1f} ms; "
+              f"4096-row batches: CPU time x{result['append_vs_parquet_cpu_ratio_4096_rows']:.2f}",
               flush=True)
         print("slice (staleness 2, unconsumed, warm lake):", flush=True)
         result.update(bench_slices(root, base, sizes, args.repeat))
