@@ -19,7 +19,6 @@ import os
 import threading
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -123,12 +122,8 @@ class Lake:
         """False only when the table is local and its next commit file does not exist (O(1))."""
         if not delta.is_local(self.uri):
             return True
-        return os.path.exists(os.path.join(self.table_uri_of(dt), "_delta_log", f"{dt.version() + 1:020d}.json"))
-
-    @staticmethod
-    def table_uri_of(dt: DeltaTable) -> str:
-        uri = dt.table_uri
-        return unquote(urlparse(uri).path) if uri.startswith("file:") else uri
+        nxt = f"{dt.version() + 1:020d}.json"
+        return os.path.exists(os.path.join(delta.local_path(dt.table_uri), "_delta_log", nxt))
 
     def _snapshot(self, table: str, as_of: int | str | datetime | None) -> DeltaTable | None:
         """``table`` at its current version, or as of a Delta version / timestamp."""
@@ -174,9 +169,12 @@ class Lake:
 
         One Delta commit; returns its version, or None when every row was already there.
         ``created_at`` is stamped (UTC now) where missing. Safe to call concurrently from several
-        processes and to repeat (task retries, resumes).
+        processes and to repeat (task retries, resumes). Duplicates are looked for among rows of
+        the same (run_id, iteration), which ``sample_uid`` encodes.
         """
         data = rows_to_table("trajectories", rows)
+        if data.num_rows == 0:
+            return None
         scopes = scope_pairs(data, "run_id", "iteration")
         return self._append("trajectories", data, [f"rlake/trajectories/{r}/{i}" for r, i in scopes],
                             *scope_filter(scopes, "run_id", "iteration"))
@@ -191,6 +189,8 @@ class Lake:
     def append_evals(self, rows: list[dict[str, Any]]) -> int | None:
         """Record eval metrics; idempotent on (run_id, weight_version, dataset, metric)."""
         data = rows_to_table("evals", rows)
+        if data.num_rows == 0:
+            return None
         scopes = scope_pairs(data, "run_id", "weight_version")
         return self._append("evals", data, [f"rlake/evals/{r}/{v}" for r, v in scopes],
                             *scope_filter(scopes, "run_id", "weight_version"))

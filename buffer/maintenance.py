@@ -18,9 +18,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from deltalake import WriterProperties
-
-from buffer.delta import ROW_GROUP_SIZE
+from buffer.delta import ROW_GROUP_SIZE, writer_properties
 from buffer.lake import Lake
 
 DEFAULT_RETENTION_HOURS = 168
@@ -50,7 +48,7 @@ def compact(lake: Lake, table: str = "trajectories", run_id: str | None = None,
     """
     with lake._lock:
         dt = _table_or_error(lake, table)
-        props = WriterProperties(compression="ZSTD", max_row_group_size=max_row_group_size)
+        props = writer_properties(max_row_group_size)
         parts = [("run_id", "=", run_id)] if run_id is not None and table == "trajectories" else None
         cols = SORT_COLUMNS.get(table) if sort else None
         if cols:

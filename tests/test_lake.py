@@ -58,6 +58,7 @@ def test_same_iteration_twice_leaves_one_copy(lake):
     assert lake.append_trajectories(more) == v1 + 1
     got = uids(lake.read("trajectories"))
     assert len(got) == len(set(got)) == 80
+    assert lake.append_trajectories([]) is None and lake.append_evals([]) is None
     # duplicates inside one batch are written once
     assert lake.append_trajectories(synthetic_rows("r", 2, 4) * 2) is not None
     assert lake.read("trajectories", run_id="r").num_rows == 84
