@@ -216,3 +216,12 @@ def test_object_store_code_path(tmp_path, monkeypatch):
     other.append_trajectories(synthetic_rows("r", 1, 6))  # seen by the first lake object
     assert lake.training_slice("r", 1).num_rows == 6
     assert lake.sql("SELECT count(*) AS n FROM trajectories").column("n").to_pylist() == [12]
+
+
+def test_readme_documents_the_current_schema():
+    from pathlib import Path
+
+    from buffer.schema import schema_markdown
+
+    readme = Path(__file__).resolve().parents[1] / "buffer" / "README.md"
+    assert schema_markdown() in readme.read_text(), "regenerate the schema section of buffer/README.md"
