@@ -15,6 +15,7 @@ method for process pools that touch the lake).
 
 from __future__ import annotations
 
+import os
 import threading
 from datetime import UTC, datetime
 from typing import Any
@@ -62,17 +63,14 @@ def scope_pairs(data: pa.Table, part: str, num: str) -> list[tuple[str, int]]:
     return sorted(set(zip(data.column(part).to_pylist(), data.column(num).to_pylist(), strict=True)))
 
 
-def scope_filter(scopes: list[tuple[str, int]], part: str, num: str) -> tuple[str, pc.Expression]:
-    """(file-pruning SQL, exact row filter) selecting the rows whose (part, num) is in ``scopes``.
+def scope_filter(scopes: list[tuple[str, int]], part: str, num: str) -> tuple[list, pc.Expression]:
+    """(file-pruning conditions, exact row filter) for the rows whose (part, num) is in ``scopes``.
 
-    The SQL is ``part IN (...) AND num >= lo AND num <= hi`` (a superset: file statistics only
+    The conditions are ``part in {...}`` and ``lo <= num <= hi`` (a superset: file statistics only
     prune on bounds); the row filter is the exact OR over the pairs.
     """
-    if not scopes:
-        return "false", pc.scalar(False)
     nums = [n for _, n in scopes]
-    prune = (f"{delta.in_list(part, [p for p, _ in scopes])} AND {num} >= {min(nums)} "
-             f"AND {num} <= {max(nums)}")
+    prune = [(part, "in", sorted({p for p, _ in scopes})), (num, ">=", min(nums)), (num, "<=", max(nums))]
     exact = None
     for p_value, n_value in scopes:
         term = (pc.field(part) == p_value) & (pc.field(num) == n_value)
@@ -87,6 +85,7 @@ class Lake:
         self.uri = delta.normalize_uri(str(lake_uri))
         self.storage_options = dict(storage_options) if storage_options else None
         self._tables: dict[str, DeltaTable] = {}
+        self._loaded_at: dict[str, int] = {}
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
@@ -98,17 +97,33 @@ class Lake:
         return f"{self.uri}/{table}"
 
     def _table(self, table: str, create: bool = False) -> DeltaTable | None:
-        """The cached DeltaTable of ``table`` brought up to date, created if ``create``."""
+        """The cached DeltaTable of ``table`` brought up to date, created if ``create``.
+
+        A cached table is reopened once it is ``CHECKPOINT_INTERVAL`` commits past the version it
+        was loaded at: delta-rs keeps one in-memory batch per incrementally applied commit, which
+        makes file listing (every slice and append) slow, while a fresh load starts from the
+        latest checkpoint.
+        """
         dt = self._tables.get(table)
         if dt is not None:
-            dt.update_incremental()
-            return dt
+            if self._may_have_changed(dt):
+                dt.update_incremental()
+            if dt.version() - self._loaded_at[table] < delta.CHECKPOINT_INTERVAL:
+                return dt
         uri = self.table_uri(table)
         dt = delta.create_table(uri, table, self.storage_options) if create else delta.open_table(
             uri, self.storage_options)
         if dt is not None:
             self._tables[table] = dt
+            self._loaded_at[table] = dt.version()
         return dt
+
+    def _may_have_changed(self, dt: DeltaTable) -> bool:
+        """False only when the table is local and its next commit file does not exist (O(1))."""
+        if not delta.is_local(self.uri):
+            return True
+        nxt = f"{dt.version() + 1:020d}.json"
+        return os.path.exists(os.path.join(delta.local_path(dt.table_uri), "_delta_log", nxt))
 
     def _snapshot(self, table: str, as_of: int | str | datetime | None) -> DeltaTable | None:
         """``table`` at its current version, or as of a Delta version / timestamp."""
@@ -140,7 +155,7 @@ class Lake:
             return None if value is None else int(value)
 
     # -- writes ---------------------------------------------------------------------------------
-    def _append(self, table: str, data: pa.Table, guards: list[str], prune: str,
+    def _append(self, table: str, data: pa.Table, guards: list[str], prune: list,
                 row_filter: pc.Expression) -> int | None:
         if data.num_rows == 0:
             return None
@@ -154,9 +169,12 @@ class Lake:
 
         One Delta commit; returns its version, or None when every row was already there.
         ``created_at`` is stamped (UTC now) where missing. Safe to call concurrently from several
-        processes and to repeat (task retries, resumes).
+        processes and to repeat (task retries, resumes). Duplicates are looked for among rows of
+        the same (run_id, iteration), which ``sample_uid`` encodes.
         """
         data = rows_to_table("trajectories", rows)
+        if data.num_rows == 0:
+            return None
         scopes = scope_pairs(data, "run_id", "iteration")
         return self._append("trajectories", data, [f"rlake/trajectories/{r}/{i}" for r, i in scopes],
                             *scope_filter(scopes, "run_id", "iteration"))
@@ -171,6 +189,8 @@ class Lake:
     def append_evals(self, rows: list[dict[str, Any]]) -> int | None:
         """Record eval metrics; idempotent on (run_id, weight_version, dataset, metric)."""
         data = rows_to_table("evals", rows)
+        if data.num_rows == 0:
+            return None
         scopes = scope_pairs(data, "run_id", "weight_version")
         return self._append("evals", data, [f"rlake/evals/{r}/{v}" for r, v in scopes],
                             *scope_filter(scopes, "run_id", "weight_version"))
@@ -202,8 +222,7 @@ class Lake:
             dt = self._snapshot(table, as_of)
             if dt is None:
                 return conform(arrow_schema(table).empty_table(), table, columns)
-            pred = None if run_id is None else f"run_id = {delta.sql_literal(run_id)}"
-            ds = delta.to_dataset(dt, pred)
+            ds = delta.to_dataset(dt, None if run_id is None else [("run_id", "=", run_id)])
             wanted = None if columns is None else [c for c in columns if c in ds.schema.names]
             flt = None if run_id is None else pc.field("run_id") == run_id
             try:
@@ -245,17 +264,16 @@ class Lake:
             if dt is None:
                 return conform(arrow_schema("trajectories").empty_table(), "trajectories")
             version = dt.version()
-            pred = (f"run_id = {delta.sql_literal(run_id)} AND kind = 'train' "
-                    f"AND weight_version >= {int(min_version)}")
+            pred = [("run_id", "=", run_id), ("kind", "=", "train"), ("weight_version", ">=", int(min_version))]
             flt = ((pc.field("run_id") == run_id) & (pc.field("kind") == "train")
                    & (pc.field("weight_version") >= int(min_version)))
             if max_version is not None:
-                pred += f" AND weight_version <= {int(max_version)}"
+                pred.append(("weight_version", "<=", int(max_version)))
                 flt &= pc.field("weight_version") <= int(max_version)
             if unconsumed_only:
                 consumed = self._consumed(run_id, min_version)
-                if consumed:
-                    flt &= ~pc.field("sample_uid").isin(pa.array(sorted(consumed), pa.string()))
+                if len(consumed):
+                    flt &= ~pc.field("sample_uid").isin(consumed)
             data = delta.to_dataset(dt, pred).to_table(filter=flt)
         data = conform(data, "trajectories").sort_by(SLICE_ORDER)
         if limit is not None:
@@ -263,8 +281,8 @@ class Lake:
         meta = {**(data.schema.metadata or {}), LAKE_VERSION_KEY: str(version).encode()}
         return data.replace_schema_metadata(meta)
 
-    def _consumed(self, run_id: str, min_version: int | None = None) -> set[str]:
-        """sample_uids consumed by ``run_id``'s train steps.
+    def _consumed(self, run_id: str, min_version: int | None = None) -> pa.Array:
+        """Distinct sample_uids consumed by ``run_id``'s train steps, as an Arrow string array.
 
         With ``min_version``, only steps that can have consumed a sample of version >=
         ``min_version`` are read: a sample generated by version w is trained on by a step whose
@@ -273,20 +291,21 @@ class Lake:
         """
         dt = self._table("train_steps")
         if dt is None:
-            return set()
-        pred = f"run_id = {delta.sql_literal(run_id)}"
+            return pa.array([], pa.string())
+        pred = [("run_id", "=", run_id)]
         flt = pc.field("run_id") == run_id
         if min_version is not None:
-            pred += f" AND (base_version >= {int(min_version)} OR base_version IS NULL)"
+            pred.append(("base_version", ">=|null", int(min_version)))
             flt &= (pc.field("base_version") >= int(min_version)) | pc.field("base_version").is_null()
-        ds = delta.to_dataset(dt, pred)
-        uids = ds.to_table(columns=["sample_uids"], filter=flt).column("sample_uids")
-        return set(pc.list_flatten(uids).to_pylist()) if len(uids) else set()
+        uids = delta.to_dataset(dt, pred).to_table(columns=["sample_uids"], filter=flt).column(0)
+        if len(uids) == 0:
+            return pa.array([], pa.string())
+        return pc.unique(pc.list_flatten(uids).combine_chunks().cast(pa.string()))
 
     def consumed_sample_uids(self, run_id: str) -> set[str]:
         """Every sample_uid consumed by a recorded train step of ``run_id``."""
         with self._lock:
-            return self._consumed(run_id)
+            return set(self._consumed(run_id).to_pylist())
 
     def get_run(self, run_id: str) -> dict[str, Any] | None:
         """The ``runs`` row of ``run_id`` as a dict, or None."""

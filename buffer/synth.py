@@ -6,6 +6,8 @@ import json
 import random
 from typing import Any
 
+import pyarrow as pa
+
 
 def synthetic_rows(
     run_id: str,
@@ -50,3 +52,22 @@ def synthetic_rows(
             "row": i,
         })
     return rows
+
+
+def relabel(base: pa.Table, run_id: str, iteration: int, weight_version: int | None = None) -> pa.Table:
+    """An Arrow batch (``rows_to_table`` output) re-keyed as ``run_id``/``iteration`` cheaply.
+
+    Sets run_id, iteration, weight_version (default: iteration) and sample_uid
+    ``{run_id}/{iteration}/{i}``; the payload columns are reused as they are.
+    """
+    n = base.num_rows
+    version = iteration if weight_version is None else weight_version
+    new = {
+        "sample_uid": pa.array([f"{run_id}/{iteration}/{i}" for i in range(n)], pa.string()),
+        "run_id": pa.array([run_id] * n, pa.string()),
+        "iteration": pa.array([iteration] * n, pa.int64()),
+        "weight_version": pa.array([version] * n, pa.int64()),
+    }
+    for name, values in new.items():
+        base = base.set_column(base.schema.get_field_index(name), base.schema.field(name), values)
+    return base

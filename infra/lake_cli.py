@@ -98,7 +98,8 @@ def sql_command(
 def compact_command(
     table: TableOpt = "trajectories",
     run_id: Annotated[str | None, typer.Option("--run-id", help="Only this run's partition.")] = None,
-    max_row_group_size: Annotated[int, typer.Option(help="Rows per Parquet row group.")] = 4096,
+    max_row_group_size: Annotated[int | None, typer.Option(
+        help="Rows per Parquet row group (default: 2048; 64 for train_steps).")] = None,
     sort: Annotated[bool, typer.Option(help="Sort rewritten rows by version (Z-order).")] = True,
     lake: LakeOpt = DEFAULT_LAKE,
     storage_option: StorageOpt = None,

@@ -58,6 +58,7 @@ def test_same_iteration_twice_leaves_one_copy(lake):
     assert lake.append_trajectories(more) == v1 + 1
     got = uids(lake.read("trajectories"))
     assert len(got) == len(set(got)) == 80
+    assert lake.append_trajectories([]) is None and lake.append_evals([]) is None
     # duplicates inside one batch are written once
     assert lake.append_trajectories(synthetic_rows("r", 2, 4) * 2) is not None
     assert lake.read("trajectories", run_id="r").num_rows == 84
@@ -180,3 +181,47 @@ def test_compact_keeps_rows_and_slices_vacuum_and_history(lake):
         lake.read("trajectories", as_of=versions[2])
     with pytest.raises(ValueError, match="does not exist"):
         compact(lake, "evals")
+
+
+def test_run_ids_with_special_characters(lake):
+    rid = "a b/c:d%e=f'g"
+    assert lake.append_trajectories(synthetic_rows(rid, 0, 3)) is not None
+    assert lake.append_trajectories(synthetic_rows(rid, 0, 3)) is None
+    lake.append_trajectories(synthetic_rows("plain", 0, 2))
+    assert lake.training_slice(rid, 0).num_rows == 3
+    assert lake.read("trajectories", run_id=rid).num_rows == 3
+    lake.upsert_run({"run_id": rid, "status": "running"})
+    lake.upsert_run({"run_id": rid, "status": "done"})
+    assert lake.get_run(rid)["status"] == "done" and lake.read("runs").num_rows == 1
+
+
+def test_steps_without_base_version_still_exclude_their_samples(lake):
+    lake.append_trajectories(synthetic_rows("r", 0, 4, weight_version=5))
+    lake.append_train_step({"run_id": "r", "step": 0, "sample_uids": ["r/0/1"]})  # no base_version
+    lake.append_train_step({"run_id": "r", "step": 1, "base_version": 2, "sample_uids": []})
+    assert lake.training_slice("r", 5).column("sample_uid").to_pylist() == ["r/0/0", "r/0/2", "r/0/3"]
+    assert lake.training_slice("other", 0).num_rows == 0
+
+
+def test_object_store_code_path(tmp_path, monkeypatch):
+    """The non-local path (deltalake's own filesystem handler, no local freshness shortcut),
+    exercised on a local folder since no object store is reachable here."""
+    from buffer import delta
+
+    lake = Lake(str(tmp_path / "lake"))
+    monkeypatch.setattr(delta, "is_local", lambda uri: False)
+    assert lake.append_trajectories(synthetic_rows("r", 0, 6)) is not None
+    assert lake.append_trajectories(synthetic_rows("r", 0, 6)) is None
+    other = Lake(lake.uri)
+    other.append_trajectories(synthetic_rows("r", 1, 6))  # seen by the first lake object
+    assert lake.training_slice("r", 1).num_rows == 6
+    assert lake.sql("SELECT count(*) AS n FROM trajectories").column("n").to_pylist() == [12]
+
+
+def test_readme_documents_the_current_schema():
+    from pathlib import Path
+
+    from buffer.schema import schema_markdown
+
+    readme = Path(__file__).resolve().parents[1] / "buffer" / "README.md"
+    assert schema_markdown() in readme.read_text(), "regenerate the schema section of buffer/README.md"

@@ -16,7 +16,7 @@ from deltalake import DeltaTable
 
 from buffer import Lake
 from buffer.maintenance import vacuum
-from buffer.synth import synthetic_rows
+from buffer.synth import relabel, synthetic_rows
 
 WORKERS, BATCHES, ROWS = 4, 50, 16
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,16 +54,6 @@ def test_four_processes_fifty_batches_exactly_once(tmp_path):
 BIG = 8192
 
 
-def big_batch(base, iteration: int):
-    """``base`` (an Arrow batch of iteration 0) relabelled as ``iteration`` (cheap, no row building)."""
-    import pyarrow as pa
-
-    uids = pa.array([f"run/{iteration}/{i}" for i in range(base.num_rows)])
-    base = base.set_column(base.schema.get_field_index("sample_uid"), "sample_uid", uids)
-    its = pa.array([iteration] * base.num_rows, pa.int64())
-    return base.set_column(base.schema.get_field_index("iteration"), "iteration", its)
-
-
 def base_batch():
     from buffer.schema import rows_to_table
 
@@ -73,11 +63,12 @@ def base_batch():
 CHILD = """
 import sys
 from buffer import Lake
-from tests.test_lake_concurrency import base_batch, big_batch
+from buffer.synth import relabel
+from tests.test_lake_concurrency import base_batch
 lake = Lake(sys.argv[1])
 base = base_batch()
 for it in range(int(sys.argv[2]), int(sys.argv[3])):
-    batch = big_batch(base, it)
+    batch = relabel(base, "run", it)
     print("start", it, flush=True)
     lake.append_trajectories(batch)
     print("done", it, flush=True)
@@ -85,7 +76,7 @@ for it in range(int(sys.argv[2]), int(sys.argv[3])):
 
 
 def _files_on_disk(uri: str) -> set[str]:
-    return {str(p) for p in Path(uri, "trajectories").rglob("*.parquet")}
+    return {str(p) for p in Path(uri, "trajectories").rglob("*.parquet") if "_delta_log" not in p.parts}
 
 
 def test_sigkill_mid_append_leaves_whole_batches(tmp_path):
@@ -123,7 +114,7 @@ def test_sigkill_mid_append_leaves_whole_batches(tmp_path):
     # re-running the appends completes the table, writing each batch once
     lake, base = Lake(uri), base_batch()
     for it in range(n_iters):
-        lake.append_trajectories(big_batch(base, it))
+        lake.append_trajectories(relabel(base, "run", it))
     counts = Counter(lake.read("trajectories", columns=["iteration"]).column(0).to_pylist())
     assert counts == {it: BIG for it in range(n_iters)}
     # files half-written by killed writers are never referenced; vacuum removes them

@@ -74,7 +74,10 @@ def test_slice_reads_only_matching_files(tmp_path):
     from buffer import delta
 
     dt = lake._table("trajectories")
-    ds = delta.to_dataset(dt, "run_id = 'r' AND kind = 'train' AND weight_version >= 17")
+    ds = delta.to_dataset(dt, [("run_id", "=", "r"), ("kind", "=", "train"), ("weight_version", ">=", 17)])
     assert len(list(ds.get_fragments())) == 3
+    assert len(list(delta.to_dataset(dt, [("weight_version", "in", [3, 5])]).get_fragments())) == 3
+    assert len(list(delta.to_dataset(dt, [("run_id", "=", "x")]).get_fragments())) == 0
+    assert len(list(delta.to_dataset(dt, [("kind", "=", "eval")]).get_fragments())) == 0
     assert lake.training_slice("r", 17).num_rows == 24
     assert lake.training_slice("other-run", 0).num_rows == 0

@@ -130,3 +130,14 @@ def test_cli_lake_maintenance(lake, cli):
     assert lake.read("trajectories").num_rows == 16
     res = runner.invoke(cli, ["lake", "compact", "--lake", lake.uri, "--table", "bogus"])
     assert res.exit_code == 2 and "unknown table 'bogus'" in res.output
+
+
+def test_lineage_is_one_query(lake):
+    v = lake.table_version("trajectories")
+    lake.append_train_step({"run_id": "r", "step": 0, "base_version": 0, "weight_version": 1,
+                            "lake_version": v, "sample_uids": ["r/0/0", "r/0/1"]})
+    t = sql(lake, "SELECT t.sample_uid, t.reward, s.lake_version FROM train_steps s, "
+                  "unnest(s.sample_uids) AS u(uid) JOIN trajectories t ON t.sample_uid = u.uid "
+                  "WHERE s.run_id = 'r' AND s.weight_version = 1 ORDER BY 1")
+    assert t.column("sample_uid").to_pylist() == ["r/0/0", "r/0/1"]
+    assert t.column("lake_version").to_pylist() == [v, v]
