@@ -6,6 +6,7 @@ import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from buffer.lake import slice_lake_version
 from infra.runtime import Runtime
 from rollout.sample import Sample
 
@@ -20,10 +21,9 @@ def write_trajectories(rt: Runtime, samples: list[Sample], iteration: int, kind:
 @task(name="read_training_slice", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
 def read_training_slice(rt: Runtime, weight_version: int) -> tuple[pa.Table, int]:
     """Unconsumed samples with version in [v - max_staleness, v], and the lake version read."""
-    lake_version = rt.lake.table_version("trajectories")
     table = rt.lake.training_slice(rt.run_id, weight_version - rt.cfg.trainer.max_staleness,
                                    weight_version)
-    return table, lake_version
+    return table, slice_lake_version(table)
 
 
 @task(name="record_train_step", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
