@@ -14,8 +14,8 @@ import torch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """y = x / sqrt(mean(x^2) + eps) * weight."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    """y = x / sqrt(mean(x^2) + eps) * weight (one fused op)."""
+    return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,6 +71,7 @@ class FastDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.eps = cfg.rms_norm_eps
         self.rope_base = _rope_base(cfg)
+        self._cos = self._sin = torch.empty(0, self.head_dim)
         sd = {k: v.detach() for k, v in model.state_dict().items()}
         self.embed = sd["model.embed_tokens.weight"]
         self.final_norm = sd["model.norm.weight"]
@@ -88,6 +89,14 @@ class FastDecoder:
                 gate_up_w=torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]),
                 down_w=sd[p + "mlp.down_proj.weight"]))
 
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, S, 1, d] for ``positions`` from a table grown on demand."""
+        needed = int(positions.max()) + 1
+        if self._cos.shape[0] < needed:
+            table = torch.arange(max(needed, 2 * self._cos.shape[0], 64))
+            self._cos, self._sin = rope_tables(table, self.head_dim, self.rope_base)
+        return self._cos[positions][:, :, None], self._sin[positions][:, :, None]
+
     def new_cache(self, batch: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (len(self.layers), batch, self.n_kv, max_len, self.head_dim)
         return torch.zeros(shape), torch.zeros(shape)
@@ -103,8 +112,7 @@ class FastDecoder:
         bsz, seq = ids.shape
         end = start + seq
         h = self.embed[ids]
-        cos, sin = rope_tables(positions, self.head_dim, self.rope_base)
-        cos, sin = cos[:, None], sin[:, None]
+        cos, sin = self._rope(positions)
         allowed = key_valid[:, None, None, :end]
         if seq > 1:
             causal = torch.ones(seq, end, dtype=torch.bool).tril(diagonal=start)
@@ -116,9 +124,9 @@ class FastDecoder:
         for li, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, self.eps)
             qkv = torch.nn.functional.linear(x, layer.qkv_w, layer.qkv_b)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = apply_rope(q.view(bsz, seq, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
-            k = apply_rope(k.view(bsz, seq, self.n_kv, self.head_dim).transpose(1, 2), cos, sin)
+            qk = apply_rope(qkv[..., :q_size + kv_size].view(bsz, seq, -1, self.head_dim), cos, sin)
+            q, k = qk.transpose(1, 2).split([self.n_heads, self.n_kv], dim=1)
+            v = qkv[..., q_size + kv_size:]
             k_cache[li, :, :, start:end] = k
             v_cache[li, :, :, start:end] = v.view(bsz, seq, self.n_kv, self.head_dim).transpose(1, 2)
             attn = torch.nn.functional.scaled_dot_product_attention(

@@ -37,7 +37,10 @@ def sample_next_token(logits: torch.Tensor, temperature: float, top_p: float, to
         drop_sorted = (cum - sorted_lp.exp()) > top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         masked = masked.masked_fill(drop, float("-inf"))
-    token = torch.multinomial(masked.exp(), 1, generator=generator).squeeze(-1)
+    # exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is a draw from p (cheaper than
+    # torch.multinomial per step)
+    race = torch.empty_like(masked).exponential_(generator=generator)
+    token = (masked.exp() / race).argmax(dim=-1)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
