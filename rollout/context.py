@@ -71,13 +71,17 @@ class RolloutContext:
         samples, one by one) or the engine (batched, ``chunk_tokens`` at a time)."""
         if self.generate_fn is None:
             return generate_samples(self.engine, self.tokenizer, samples, self.sampling, self.chunk_tokens)
-        for i, s in enumerate(samples):
+        for s in samples:
             if s.status == Status.PENDING:
                 out = call(self.generate_fn, self, s, self.sampling)
                 if not isinstance(out, Sample):
                     raise TypeError(f"custom_generate_function_path returned {type(out).__name__}, "
                                     "expected a Sample")
-                samples[i] = out
+                if out is not s:  # in place: callers hold the sample in their groups
+                    s.__dict__.update(out.__dict__)
+                if s.status == Status.PENDING:
+                    raise ValueError("custom_generate_function_path returned a sample still "
+                                     "'pending': set its status (completed, truncated, aborted)")
         return samples
 
     def score(self, samples: list[Sample]) -> int:
