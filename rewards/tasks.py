@@ -4,7 +4,7 @@ Each task yields prompt records ``{"prompt", "label", "metadata"}``; a fixed, se
 is never trained on.
 
 - ``addition``: ``"37+48="`` -> ``"85"`` (exact match).
-- ``countdown``: ``"3,5,7>22:"`` -> an expression using each given number exactly once with
+- ``countdown``: ``"3,5,7>22:"`` (label: one solution) -> an expression using each given number exactly once with
   ``+ - * /`` and parentheses whose value is the target, e.g. ``"3*5+7"``.
 """
 
@@ -14,6 +14,7 @@ import ast
 import itertools
 import operator
 import random
+import threading
 from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
@@ -41,8 +42,9 @@ _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 def countdown_problems(lo: int = 1, hi: int = 9, max_target: int = 99) -> list[dict]:
     """Every (ordered numbers a, b, c in [lo, hi], target) reachable as ``(a o b) o c`` or
-    ``a o (b o c)`` with o in {+, -, *} and 1 <= target <= max_target; one solution kept in
-    ``metadata["solution"]``. Deterministic order."""
+    ``a o (b o c)`` with o in {+, -, *} and 1 <= target <= max_target. The label is one solution
+    (what SFT imitates; any correct expression scores 1), also in ``metadata["solution"]``.
+    Deterministic order."""
     seen: set[tuple] = set()
     out = []
     for nums in itertools.product(range(lo, hi + 1), repeat=3):
@@ -52,12 +54,13 @@ def countdown_problems(lo: int = 1, hi: int = 9, max_target: int = 99) -> list[d
                                 (f"{a}{o1}({b}{o2}{c})", _OPS[o1](a, _OPS[o2](b, c)))):
                 if 1 <= value <= max_target and (nums, value) not in seen:
                     seen.add((nums, value))
-                    out.append({"prompt": f"{a},{b},{c}>{value}:", "label": str(value),
+                    out.append({"prompt": f"{a},{b},{c}>{value}:", "label": expr,
                                 "metadata": {"task": "countdown", "numbers": list(nums),
                                              "target": value, "solution": expr}})
     return out
 
 
+_PARSE_LOCK = threading.Lock()
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv}
 
@@ -68,7 +71,8 @@ def evaluate_expression(text: str) -> tuple[Fraction, list[int]]:
     if len(text) > 200:
         raise ValueError("expression too long")
     try:
-        tree = ast.parse(text.strip(), mode="eval").body
+        with _PARSE_LOCK:  # CPython 3.11's ast.parse is not thread-safe (recursion-depth SystemError)
+            tree = ast.parse(text.strip(), mode="eval").body
     except SyntaxError as err:
         raise ValueError(f"not an expression: {text!r}") from err
     used: list[int] = []
@@ -91,10 +95,10 @@ def evaluate_expression(text: str) -> tuple[Fraction, list[int]]:
 def countdown_reward(response: str, label: str | None, metadata: dict) -> float:
     """1.0 if the response is an expression using exactly the given numbers (each once) whose
     exact value is the target, else 0.0."""
-    target = Fraction(int(metadata.get("target", label)))
-    numbers = metadata.get("numbers")
-    if numbers is None:
-        raise ValueError("countdown reward needs metadata['numbers']")
+    numbers, target = metadata.get("numbers"), metadata.get("target")
+    if numbers is None or target is None:
+        raise ValueError("countdown reward needs metadata['numbers'] and metadata['target']")
+    target = Fraction(int(target))
     try:
         value, used = evaluate_expression(response.strip())
     except ValueError:

@@ -11,8 +11,15 @@ import pytest
 from buffer import Lake
 from infra.config import ConfigError, load_config
 from infra.modeling import build_char_tokenizer
-from rollout.data import (POSITION_METRIC, PromptDataset, drop_long_prompts, load_prompt_file,
-                          next_data_position, parse_data_path, render_prompt)
+from rollout.data import (
+    POSITION_METRIC,
+    PromptDataset,
+    drop_long_prompts,
+    load_prompt_file,
+    next_data_position,
+    parse_data_path,
+    render_prompt,
+)
 from rollout.setup import load_run_data
 
 

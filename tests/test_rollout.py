@@ -9,6 +9,7 @@ import torch
 from buffer import Lake
 from infra.config import TinyModelConfig, load_config
 from infra.modeling import build_tiny_model, load_tokenizer
+from rewards.registry import Scorer
 from rollout.context import RolloutContext
 from rollout.data import PromptDataset
 from rollout.dynamic import default_rollout
@@ -19,7 +20,6 @@ from rollout.rollout import generate_samples, make_samples
 from rollout.runner import Rollout
 from rollout.sample import Sample, Status
 from rollout.torch_engine import TorchEngine
-from rewards.registry import Scorer
 
 torch.set_num_threads(1)
 RECORDS = [{"prompt": f"{a}+{a}=", "label": str(2 * a), "metadata": {"a": a}} for a in range(10, 40)]

@@ -14,7 +14,6 @@ from rollout.context import RolloutContext
 from rollout.data import PromptDataset
 from rollout.engine import SamplingParams
 from rollout.multiturn import assemble_turns, model_turn, split_by_mask, tool_turn
-from rollout.rollout import make_samples
 from rollout.runner import Rollout
 from rollout.sample import Sample, Status
 from rollout.torch_engine import TorchEngine
