@@ -3,7 +3,7 @@
     rl_iteration(run, i):
       generate_rollouts(prompts i, weights v)    -> samples
       score(samples)                             -> rewards
-      write_trajectories(samples)                -> lake commit
+      write_rollout(samples)                     -> lake commit (+ filtered, aborted, partial rows)
       read_training_slice(run, v, max_staleness) -> unconsumed samples, version >= v - k
       train(slice)                               -> weights v+1, metrics
       publish_weights(v+1)                       -> HF checkpoint, engine updated
