@@ -10,6 +10,9 @@ resume rebuilds it from the lake alone.
 
 from __future__ import annotations
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from rollout.context import group_samples
 from rollout.sample import Sample, Status
 
@@ -20,9 +23,11 @@ def load_partial_groups(lake, run_id: str, iteration: int) -> list[list[Sample]]
     """The groups left ``partial`` by ``iteration - 1`` (empty for iteration 0 or none)."""
     if iteration <= 0 or lake is None:
         return []
-    rows = lake.read("trajectories", run_id=run_id).to_pylist()
-    rows = [r for r in rows if r["kind"] == PARTIAL_KIND and r["iteration"] == iteration - 1]
-    rows.sort(key=lambda r: r["sample_index"])
+    data = lake.dataset("trajectories")
+    flt = ((pc.field("run_id") == run_id) & (pc.field("iteration") == iteration - 1)
+           & (pc.field("kind") == PARTIAL_KIND))
+    table = data.filter(flt) if isinstance(data, pa.Table) else data.to_table(filter=flt)
+    rows = sorted(table.to_pylist(), key=lambda r: r["sample_index"])  # filter pushed to the scan
     samples = []
     for r in rows:
         s = Sample.from_row(r)
