@@ -3,7 +3,7 @@
     rl_iteration(run, i):
       generate_rollouts(prompts i, weights v)    -> samples
       score(samples)                             -> rewards
-      write_trajectories(samples)                -> lake commit
+      write_rollout(samples)                     -> lake commit (+ filtered, aborted, partial rows)
       read_training_slice(run, v, max_staleness) -> unconsumed samples, version >= v - k
       train(slice)                               -> weights v+1, metrics
       publish_weights(v+1)                       -> HF checkpoint, engine updated
@@ -25,8 +25,8 @@ from prefect.utilities.annotations import quote
 from infra.config import RunConfig, config_from_dict
 from infra.runtime import RUNTIMES, Runtime, open_runtime
 from tasks.eval import evaluate
-from tasks.lake import read_training_slice, record_train_step, write_trajectories
-from tasks.rollout import generate_rollouts, score
+from tasks.lake import read_training_slice, record_train_step
+from tasks.rollout import generate_rollouts, score, write_rollout
 from tasks.sft import sft_train
 from tasks.train import log_metrics, publish_weights, train
 from trainers.metrics import rollout_metrics, staleness
@@ -59,11 +59,12 @@ def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
     start = time.perf_counter()
     base_version = rt.trainer.weight_version
     with _phase(timings, "generate"):
-        samples = generate_rollouts(rt, iteration)
+        rollout = generate_rollouts(rt, iteration)  # dynamic sampling / partial rollouts inside
+        samples = rollout.samples
     with _phase(timings, "score"):
         failed = score(rt, quote(samples))
     with _phase(timings, "lake_write"):
-        write_trajectories(rt, quote(samples), iteration)
+        write_rollout(rt, quote(rollout), iteration)  # train + filtered/aborted/partial rows
     with _phase(timings, "slice_read"):
         training_slice, lake_version = read_training_slice(rt, base_version)
     with _phase(timings, "train"):
@@ -73,6 +74,7 @@ def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
         publish_weights(rt, new_version)
     versions = training_slice.column("weight_version").to_pylist()
     metrics = {**rollout_metrics(samples, timings["generate"]), "rollout/failed": float(failed),
+               **rollout.stats,
                **{f"train/{k}": v for k, v in train_metrics.items()},
                **staleness(base_version, versions), "weight_version": float(new_version)}
     with _phase(timings, "record"):

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -40,24 +40,73 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     task: Literal["addition", "countdown"] | None = Field(
-        "addition", description="built-in synthetic task; None to use prompt_data")
-    prompt_data: str | None = Field(None, description="JSONL/Parquet prompt file (path@[a:b] slices rows)")
+        "addition", description="built-in synthetic task (its held-out set is the default eval set)")
+    prompt_data: str | None = Field(
+        None, description="JSONL/Parquet prompt file, 'path@[a:b]' slices rows; overrides task "
+                          "for training prompts")
     input_key: str = "prompt"
-    label_key: str = "label"
+    label_key: str | None = "label"
     metadata_key: str | None = None
+    tool_key: str | None = Field(None, description="key of the tool specs (given to the chat template)")
+    apply_chat_template: bool = Field(False, description="render prompts with the tokenizer's "
+                                      "chat template (plain text when it has none)")
+    rollout_max_prompt_len: int | None = Field(None, ge=1, description="longer prompts are skipped "
+                                               "(and counted)")
     held_out_size: int = Field(500, ge=1, description="held-out problems never trained on")
     rollout_shuffle: bool = True
 
 
+def _check_function(key: str, path: str | None) -> str | None:
+    """Resolve + signature-check a configured function path at config load."""
+    if path:
+        from rollout.functions import load_configured  # noqa: PLC0415 - infra -> rollout at load
+
+        load_configured(key, path)
+    return path
+
+
 class RolloutConfig(_Section):
     engine: Literal["torch", "sglang"] = "torch"
-    rollout_batch_size: int = Field(32, ge=1, description="prompts per iteration")
+    rollout_batch_size: int = Field(32, ge=1, description="prompts (groups) trained on per iteration")
     n_samples_per_prompt: int = Field(8, ge=1)
     rollout_max_response_len: int = Field(6, ge=1)
     rollout_temperature: float = Field(1.0, gt=0)
     rollout_top_p: float = Field(1.0, gt=0, le=1)
     rm_type: str = Field("addition", description="reward function name in the registry")
-    custom_rm_path: str | None = None
+    custom_rm_path: str | None = Field(None, description="fn(cfg, sample) -> float | dict")
+    rm_url: str | None = Field(None, description="URL of the remote reward model (rm_type: remote)")
+    rm_timeout_s: float = Field(10.0, gt=0, description="remote reward: HTTP timeout per attempt")
+    rm_retries: int = Field(2, ge=0, description="remote reward: retries after the first attempt")
+    reward_timeout_s: float = Field(30.0, gt=0, description="a reward call running longer fails its sample")
+    reward_max_workers: int = Field(8, ge=1, description="concurrent reward calls")
+    rollout_function_path: str | None = Field(None, description="fn(ctx, iteration) -> groups")
+    custom_generate_function_path: str | None = Field(
+        None, description="fn(ctx, sample, sampling) -> sample (per-sample generation)")
+    over_sampling_batch_size: int | None = Field(
+        None, ge=1, description="prompts drawn per round (>= rollout_batch_size); None: rollout_batch_size")
+    dynamic_sampling_filter_path: str | None = Field(
+        None, description="fn(cfg, group) -> bool; 'default' keeps groups with reward std > 1e-6")
+    generation_chunk_tokens: int | None = Field(
+        None, ge=1, description="engine calls generate at most this many tokens, then groups are "
+                                "checked (and the rest aborted once enough are kept)")
+    partial_rollout: bool = Field(False, description="keep aborted samples, continue them next iteration")
+    mask_offpolicy_in_partial_rollout: bool = Field(
+        False, description="loss_mask 0 on tokens an older policy generated")
+
+    @field_validator("rollout_function_path", "custom_generate_function_path", "custom_rm_path",
+                     "dynamic_sampling_filter_path")
+    @classmethod
+    def _functions(cls, value: str | None, info) -> str | None:
+        if value == "default" and info.field_name == "dynamic_sampling_filter_path":
+            return value
+        return _check_function(info.field_name, value)
+
+    @model_validator(mode="after")
+    def _over_sampling(self) -> RolloutConfig:
+        if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < self.rollout_batch_size:
+            raise ValueError(f"over_sampling_batch_size ({self.over_sampling_batch_size}) must be >= "
+                             f"rollout_batch_size ({self.rollout_batch_size})")
+        return self
 
 
 class TrainerConfig(_Section):
@@ -114,9 +163,39 @@ class SFTConfig(_Section):
     check_size: int = Field(200, ge=1, description="training problems used for the check")
 
 
+class EvalDatasetConfig(_Section):
+    """One evaluation set (slime's eval dataset config). ``path: null`` is the built-in task's
+    held-out set. Unset fields fall back to the data/rollout settings."""
+
+    name: str = "held_out"
+    path: str | None = Field(None, description="JSONL/Parquet file (path@[a:b]); null: built-in held-out")
+    rm_type: str | None = None
+    n_samples_per_eval_prompt: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0, description="0: greedy; null: greedy if eval.greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_response_len: int | None = Field(None, ge=1)
+    input_key: str | None = None
+    label_key: str | None = None
+    metadata_key: str | None = None
+
+
 class EvalConfig(_Section):
     eval_interval: int = Field(5, ge=1, description="evaluate every N iterations")
     greedy: bool = True
+    datasets: list[EvalDatasetConfig] = Field(default_factory=lambda: [EvalDatasetConfig()])
+    eval_function_path: str | None = Field(None, description="fn(ctx, dataset) -> groups")
+
+    @field_validator("eval_function_path")
+    @classmethod
+    def _function(cls, value: str | None) -> str | None:
+        return _check_function("eval_function_path", value)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> EvalConfig:
+        names = [d.name for d in self.datasets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval dataset names must be unique, got {names}")
+        return self
 
 
 class RunConfig(_Section):

@@ -16,10 +16,9 @@ from buffer import Lake
 from infra.config import RunConfig, config_from_dict
 from infra.modeling import build_tiny_model, load_tokenizer
 from infra.tracking import Tracker
-from rewards.registry import get_reward_fn
-from rewards.tasks import load_task
 from rollout.data import PromptDataset
 from rollout.engine import RolloutEngine, SamplingParams
+from rollout.setup import attach_rollout, load_run_data
 from trainers.torch_trainer import TorchTrainer, seed_everything
 
 RUNTIMES: dict[str, Runtime] = {}
@@ -117,12 +116,8 @@ def _make_trainer(cfg: RunConfig, model_dir: Path, tokenizer, version: int):
                         pad_token_id=tokenizer.pad_token_id)
 
 
-def _task_data(cfg: RunConfig) -> tuple[PromptDataset, list[dict]]:
-    if cfg.data.task is None:
-        raise ValueError("data.task is None and prompt files are not supported yet: set data.task")
-    split = load_task(cfg.data.task, cfg.data.held_out_size)
-    return (PromptDataset(split.train, seed=cfg.seed, shuffle=cfg.data.rollout_shuffle,
-                          source=f"builtin:{cfg.data.task}"), split.held_out)
+def _task_data(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, list[dict]]:
+    return load_run_data(cfg, tokenizer)
 
 
 def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False) -> Runtime:
@@ -140,10 +135,11 @@ def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False
     run_dir.mkdir(parents=True, exist_ok=True)
     base = _base_model_dir(cfg, run_dir)
     tokenizer = load_tokenizer(base)
-    dataset, held_out = _task_data(cfg)
+    dataset, held_out = _task_data(cfg, tokenizer)
     tracker = Tracker(home)
     rt = Runtime(cfg=cfg, run_id=run_id, home=home, lake=lake, tracker=tracker,
-                 tokenizer=tokenizer, dataset=dataset, held_out=held_out, reward_fn=get_reward_fn(cfg.rollout.rm_type, cfg.rollout.custom_rm_path))
+                 tokenizer=tokenizer, dataset=dataset, held_out=held_out, reward_fn=None)
+    attach_rollout(rt)  # rewards, rollout/eval functions, eval sets, data position
     start_version, start_iteration = 0, 0
     model_dir = base
     if resume:

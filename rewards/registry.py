@@ -1,32 +1,52 @@
-"""The reward registry: ``rm_type`` (or a ``module:function`` path) -> a reward function.
+"""The reward registry: ``rm_type`` (or a custom function) -> a score for each sample.
 
-A reward function takes ``(response: str, label: str | None, metadata: dict)`` and returns a
-float (or a dict with a ``"score"`` key). ``score_samples`` runs it over a batch concurrently;
-a function that raises, times out or returns NaN marks that sample ``failed`` with the reason.
+Built-in reward functions take ``(response: str, label: str | None, metadata: dict)`` and return
+a float (or a dict with a ``"score"`` key). ``rm_type`` names one of ``REGISTRY``, ``remote``
+(HTTP POST to ``rm_url``), or ``boxed_<name>`` (score only the last ``\\boxed{}`` of the response
+with ``<name>``; no box scores 0). A sample's ``metadata["rm_type"]`` overrides the configured one;
+``custom_rm_path`` (``fn(cfg, sample)``, slime's shape) replaces the registry for the others.
+
+``score_samples`` scores a batch concurrently; a function that raises, times out or returns NaN
+marks that sample ``failed`` with the reason in ``reward_detail["error"]``.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import math
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
 
-from rewards.tasks import exact_answer_reward
+from rewards.concurrent import run_concurrently
+from rewards.math import last_boxed, math_reward
+from rewards.remote import remote_reward
+from rewards.tasks import countdown_reward
+from rewards.text import exact_answer_reward, f1_score
+from rollout.functions import call, load_configured, load_function
 from rollout.sample import Sample, Status
 
 RewardFn = Callable[[str, "str | None", dict], "float | dict"]
+SampleScorer = Callable[[Sample], "float | dict"]
+
+__all__ = ["REGISTRY", "RewardFn", "Scorer", "get_reward_fn", "load_function", "register",
+           "resolve_rm_type", "score_samples"]
 
 
 def _exact(response: str, label: str | None, metadata: dict) -> float:
     return exact_answer_reward(response, label or "")
 
 
+def _f1(response: str, label: str | None, metadata: dict) -> float:
+    return f1_score(response, label or "")
+
+
 REGISTRY: dict[str, RewardFn] = {
     "exact": _exact,
     "addition": _exact,
+    "countdown": countdown_reward,
+    "math": math_reward,
+    "f1": _f1,
 }
 
 
@@ -34,65 +54,122 @@ def register(name: str, fn: RewardFn) -> None:
     REGISTRY[name] = fn
 
 
-def load_function(path: str, n_params: int | None = None, what: str = "function") -> Callable:
-    """Resolve ``package.module:function`` and check it takes ``n_params`` positional args."""
-    if ":" not in path:
-        raise ValueError(f"{what} '{path}' must look like 'package.module:function'")
-    module_name, attr = path.split(":", 1)
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"{what} '{path}' cannot be loaded: {err}") from None
-    if not callable(fn):
-        raise ValueError(f"{what} '{path}' is not callable")
-    if n_params is not None:
-        try:
-            inspect.signature(fn).bind(*range(n_params))
-        except TypeError:
-            raise ValueError(f"{what} '{path}' must accept {n_params} positional arguments, "
-                             f"its signature is {inspect.signature(fn)}") from None
-    return fn
+def _boxed(inner: RewardFn, response: str, label: str | None, metadata: dict) -> float | dict:
+    boxed = last_boxed(response)
+    return 0.0 if boxed is None else inner(boxed, label, metadata)
+
+
+def resolve_rm_type(rm_type: str, rm_url: str | None = None, timeout_s: float = 10.0,
+                    retries: int = 2) -> Callable[[Sample], float | dict]:
+    """A per-sample scorer for ``rm_type``; a clear error for an unknown name."""
+    if rm_type.startswith("boxed_"):
+        inner = resolve_rm_type(rm_type.removeprefix("boxed_"), rm_url, timeout_s, retries)
+
+        def boxed(sample: Sample) -> float | dict:
+            box = last_boxed(sample.response)
+            return 0.0 if box is None else inner(replace(sample, response=box))
+        return boxed
+    if rm_type == "remote":
+        if not rm_url:
+            raise ValueError("rm_type 'remote' needs rollout.rm_url")
+        return lambda s: remote_reward(rm_url, s.prompt if isinstance(s.prompt, str) else str(s.prompt),
+                                       s.response, s.label, s.metadata, timeout_s, retries)
+    if rm_type not in REGISTRY:
+        raise ValueError(f"unknown rm_type '{rm_type}'; known: {sorted(REGISTRY)}, 'remote', "
+                         "'boxed_<name>' (or set custom_rm_path)")
+    fn = REGISTRY[rm_type]
+    return lambda s: fn(s.response, s.label, s.metadata)
 
 
 def get_reward_fn(rm_type: str, custom_rm_path: str | None = None) -> RewardFn:
+    """A ``(response, label, metadata)`` reward function (kept for simple callers)."""
     if custom_rm_path:
         return load_function(custom_rm_path, 3, "custom_rm_path")
+    if rm_type.startswith("boxed_"):
+        return partial(_boxed, get_reward_fn(rm_type.removeprefix("boxed_")))
     if rm_type not in REGISTRY:
-        raise ValueError(f"unknown rm_type '{rm_type}'; known: {sorted(REGISTRY)} "
-                         "(or set custom_rm_path)")
+        raise ValueError(f"unknown rm_type '{rm_type}'; known: {sorted(REGISTRY)}")
     return REGISTRY[rm_type]
 
 
+@dataclass
+class Scorer:
+    """Scores one sample: ``metadata["rm_type"]`` if set, else ``custom_rm_path``, else
+    ``rm_type``. Resolving happens at construction (bad names fail before any generation)."""
+
+    rm_type: str = "exact"
+    custom_rm_path: str | None = None
+    rm_url: str | None = None
+    cfg: Any = None
+    remote_timeout_s: float = 10.0
+    remote_retries: int = 2
+    timeout_s: float = 30.0
+    max_workers: int = 8
+
+    def __post_init__(self) -> None:
+        self._custom = load_configured("custom_rm_path", self.custom_rm_path)
+        self._cache: dict[str, Callable[[Sample], float | dict]] = {}
+        if self._custom is None:
+            self._resolve(self.rm_type)
+
+    @classmethod
+    def from_config(cls, cfg: Any, rm_type: str | None = None) -> Scorer:
+        r = cfg.rollout
+        return cls(rm_type=rm_type or r.rm_type, custom_rm_path=r.custom_rm_path, rm_url=r.rm_url,
+                   cfg=cfg, remote_timeout_s=r.rm_timeout_s, remote_retries=r.rm_retries,
+                   timeout_s=r.reward_timeout_s, max_workers=r.reward_max_workers)
+
+    def _resolve(self, rm_type: str) -> Callable[[Sample], float | dict]:
+        if rm_type not in self._cache:
+            self._cache[rm_type] = resolve_rm_type(rm_type, self.rm_url, self.remote_timeout_s,
+                                                   self.remote_retries)
+        return self._cache[rm_type]
+
+    def __call__(self, sample: Sample) -> float | dict:
+        override = sample.metadata.get("rm_type")
+        if override:
+            return self._resolve(str(override))(sample)
+        if self._custom is not None:
+            return call(self._custom, self.cfg, sample)
+        return self._resolve(self.rm_type)(sample)
+
+
 def _as_score(value: float | dict) -> tuple[float, dict]:
+    """(score, detail): a dict's ``score`` key, or the float itself; NaN is an error."""
     if isinstance(value, dict):
         if "score" not in value:
             raise ValueError("reward dict has no 'score' key")
-        return float(value["score"]), value
-    return float(value), {}
+        score, detail = float(value["score"]), dict(value)
+    else:
+        score, detail = float(value), {}
+    if math.isnan(score):
+        raise ValueError("reward is NaN")
+    return score, detail
 
 
-def score_samples(samples: list[Sample], reward_fn: RewardFn, timeout_s: float = 30.0,
-                  max_workers: int = 8) -> int:
+def score_samples(samples: list[Sample], scorer: SampleScorer | RewardFn, timeout_s: float | None = None,
+                  max_workers: int | None = None) -> int:
     """Set ``reward``/``reward_detail`` (and ``status = failed`` on error) in place.
 
-    Returns the number of failed samples. A failed sample's reward is 0.0 so its group still
-    trains; the reason is kept in ``reward_detail["error"]``.
+    ``scorer`` is a per-sample callable (a ``Scorer``) or a plain ``(response, label, metadata)``
+    reward function. Returns the number of failed samples. A failed sample's reward is 0.0 so its
+    group still trains; the reason is kept in ``reward_detail["error"]``.
     """
+    timeout_s = timeout_s if timeout_s is not None else getattr(scorer, "timeout_s", 30.0)
+    max_workers = max_workers if max_workers is not None else getattr(scorer, "max_workers", 8)
+    if isinstance(scorer, Scorer):
+        calls = [partial(scorer, s) for s in samples]
+    else:
+        calls = [partial(scorer, s.response, s.label, s.metadata) for s in samples]
     failures = 0
-    with ThreadPoolExecutor(max_workers=max_workers) as pool:
-        futures = [pool.submit(reward_fn, s.response, s.label, s.metadata) for s in samples]
-        for sample, fut in zip(samples, futures, strict=True):
-            try:
-                score, detail = _as_score(fut.result(timeout=timeout_s))
-                if math.isnan(score):
-                    raise ValueError("reward is NaN")
-                sample.reward, sample.reward_detail = score, detail
-            except FutureTimeout:
-                failures += 1
-                _fail(sample, f"reward timed out after {timeout_s}s")
-            except Exception as err:  # noqa: BLE001 - any user error marks the sample failed
-                failures += 1
-                _fail(sample, f"{type(err).__name__}: {err}")
+    for sample, outcome in zip(samples, run_concurrently(calls, timeout_s, max_workers), strict=True):
+        try:
+            if not outcome.ok:
+                raise RuntimeError(outcome.error)
+            sample.reward, sample.reward_detail = _as_score(outcome.value)
+        except Exception as err:  # noqa: BLE001 - any user error marks the sample failed
+            failures += 1
+            _fail(sample, str(err) if isinstance(err, RuntimeError) else f"{type(err).__name__}: {err}")
     return failures
 
 

@@ -1,14 +1,27 @@
-"""Prompt data: records ``{"prompt", "label", "metadata"}`` served in seeded epochs.
+"""Prompt data: records ``{"prompt", "label", "metadata", "tools", "row"}`` served in seeded epochs.
+
+Sources: a built-in task, or a JSONL / Parquet file, optionally sliced ``path@[start:end]``
+(Python slice bounds over the file's rows). ``input_key`` / ``label_key`` / ``metadata_key`` /
+``tool_key`` name the columns. A malformed JSONL line or a missing key is a ``ValueError``
+naming the file and line (row), raised when the data is loaded, before any generation.
 
 The data position is one integer, the number of prompts handed out so far. The order of epoch
 ``e`` is a permutation seeded by ``(seed, e)``, so any position can be resumed exactly from that
-integer alone (which the lake records per iteration).
+integer alone. Each iteration records where it stopped (``rollout/data_position_end`` in the
+``train_steps`` metrics JSON); ``next_data_position`` reads it back on resume.
 """
 
 from __future__ import annotations
 
+import json
 import random
+import re
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+POSITION_METRIC = "rollout/data_position_end"
+_SLICE = re.compile(r"^(?P<path>.+)@\[(?P<start>-?\d*):(?P<end>-?\d*)\]$")
 
 
 @dataclass
@@ -17,10 +30,13 @@ class PromptDataset:
     seed: int = 0
     shuffle: bool = True
     source: str = "builtin"
+    skipped_too_long: int = 0
 
     def __post_init__(self) -> None:
         if not self.records:
-            raise ValueError(f"prompt data '{self.source}' is empty")
+            raise ValueError(f"prompt data '{self.source}' is empty"
+                             + (f" ({self.skipped_too_long} prompts were longer than "
+                                "rollout_max_prompt_len)" if self.skipped_too_long else ""))
         self._orders: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
@@ -35,10 +51,120 @@ class PromptDataset:
         return self._orders[epoch]
 
     def take(self, position: int, count: int) -> list[tuple[int, dict]]:
-        """``count`` records starting at global ``position``: [(row index, record)]."""
+        """``count`` records starting at global ``position``: [(row, record)], where row is the
+        record's row in its file (``record["row"]``) or its index in ``records``."""
         out = []
         for pos in range(position, position + count):
             epoch, offset = divmod(pos, len(self.records))
-            row = self._order(epoch)[offset]
-            out.append((row, self.records[row]))
+            idx = self._order(epoch)[offset]
+            out.append((self.records[idx].get("row", idx), self.records[idx]))
         return out
+
+
+def parse_data_path(spec: str) -> tuple[str, slice]:
+    """``"file.jsonl@[10:20]"`` -> ("file.jsonl", slice(10, 20)); no suffix -> slice(None)."""
+    m = _SLICE.match(spec)
+    if not m:
+        if "@[" in spec:
+            raise ValueError(f"prompt data '{spec}': bad row slice, expected 'path@[start:end]'")
+        return spec, slice(None)
+    as_int = lambda v: int(v) if v else None  # noqa: E731
+    return m["path"], slice(as_int(m["start"]), as_int(m["end"]))
+
+
+def _raw_rows(path: Path) -> list[tuple[str, Any]]:
+    """[(where, row dict)]: ``where`` is ``file:line N`` (JSONL) or ``file:row N`` (Parquet)."""
+    if not path.exists():
+        raise ValueError(f"prompt data file not found: {path}")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq  # noqa: PLC0415
+
+        return [(f"{path}:row {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist())]
+    if path.suffix not in (".jsonl", ".json", ".ndjson"):
+        raise ValueError(f"prompt data '{path}': unsupported format (use .jsonl or .parquet)")
+    rows = []
+    with path.open() as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"{path}:line {line_no}", json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:line {line_no}: malformed JSON ({err.msg})") from None
+    return rows
+
+
+def load_prompt_file(spec: str, input_key: str = "prompt", label_key: str | None = "label",
+                     metadata_key: str | None = None, tool_key: str | None = None) -> list[dict]:
+    """Records of a JSONL/Parquet prompt file (row slice applied); errors name file and line."""
+    path_str, rows_slice = parse_data_path(spec)
+    rows = _raw_rows(Path(path_str))
+    indexed = list(enumerate(rows))[rows_slice]
+    records = []
+    for row, (where, raw) in indexed:
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+        records.append(_record(where, raw, row, input_key, label_key, metadata_key, tool_key))
+    if not records:
+        raise ValueError(f"prompt data '{spec}' is empty")
+    return records
+
+
+def _record(where: str, raw: dict, row: int, input_key: str, label_key: str | None,
+            metadata_key: str | None, tool_key: str | None) -> dict:
+    for key in (input_key, label_key, metadata_key, tool_key):
+        if key is not None and key not in raw:
+            raise ValueError(f"{where}: missing key '{key}' (keys: {sorted(raw)})")
+    prompt = raw[input_key]
+    if not isinstance(prompt, str | list) or not prompt:
+        raise ValueError(f"{where}: '{input_key}' must be a non-empty string or a list of messages")
+    metadata = raw[metadata_key] if metadata_key else {}
+    if isinstance(metadata, str):
+        metadata = json.loads(metadata or "{}")
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{where}: '{metadata_key}' must be an object")
+    label = raw[label_key] if label_key else None
+    return {"prompt": prompt, "label": None if label is None else str(label),
+            "metadata": metadata, "tools": raw[tool_key] if tool_key else None, "row": row}
+
+
+def render_prompt(tokenizer, prompt: str | list[dict], apply_chat_template: bool,
+                  tools: list | None = None) -> str:
+    """The prompt text given to the engine: the tokenizer's chat template (generation prompt
+    added) when asked and the tokenizer has one; otherwise the text itself, or the messages'
+    contents joined by newlines."""
+    if apply_chat_template and getattr(tokenizer, "chat_template", None):
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=True)
+    if isinstance(prompt, list):
+        return "\n".join(str(m.get("content", "")) for m in prompt)
+    return prompt
+
+
+def drop_long_prompts(records: list[dict], tokenizer, max_len: int | None,
+                      apply_chat_template: bool) -> tuple[list[dict], int]:
+    """(records whose rendered prompt has <= max_len tokens, number skipped)."""
+    if max_len is None:
+        return records, 0
+    kept = [r for r in records
+            if len(tokenizer(render_prompt(tokenizer, r["prompt"], apply_chat_template, r.get("tools")),
+                             add_special_tokens=False)["input_ids"]) <= max_len]
+    return kept, len(records) - len(kept)
+
+
+def next_data_position(lake, run_id: str, per_iteration: int | None = None) -> int:
+    """Where the next iteration's prompts start: ``rollout/data_position_end`` of the run's last
+    recorded train step; for steps written without it, ``(iteration + 1) * per_iteration``; 0 for
+    a run with no steps."""
+    steps = lake.read("train_steps", run_id=run_id, columns=["iteration", "metrics"]).to_pylist()
+    steps = [s for s in steps if s["iteration"] is not None]
+    if not steps:
+        return 0
+    last = max(steps, key=lambda s: s["iteration"])
+    metrics = json.loads(last["metrics"] or "{}")
+    if POSITION_METRIC in metrics:
+        return int(metrics[POSITION_METRIC])
+    if per_iteration is None:
+        raise ValueError(f"run {run_id}: train step {last['iteration']} has no {POSITION_METRIC}")
+    return (last["iteration"] + 1) * per_iteration

@@ -1,18 +1,22 @@
 """The Sample: one generated trajectory, with slime's field names.
 
 A Sample maps one-to-one onto a row of the lake's ``trajectories`` table
-(see ``buffer.schema``): ``Sample.to_row`` / ``Sample.from_row`` are the only bridge.
+(see ``buffer.schema``): ``Sample.to_row`` / ``Sample.from_row`` are the only bridge. slime's
+fields without a column of their own (``weight_versions``, ``remove_sample``, ``train_metadata``,
+``session_id``, ``non_generation_time``, ``generate_function_path``, a chat-message prompt) travel
+in the JSON ``metadata`` column under the reserved key ``"_sample"``; ``from_row`` takes them
+back out, so ``from_row(to_row(s)) == s``.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 
-class Status(str, Enum):
+class Status(StrEnum):
     PENDING = "pending"
     COMPLETED = "completed"
     TRUNCATED = "truncated"
@@ -31,7 +35,7 @@ class Sample:
 
     group_index: int
     index: int
-    prompt: str
+    prompt: str | list[dict[str, Any]]
     prompt_token_ids: list[int]
     label: str | None = None
     response: str = ""
@@ -46,6 +50,13 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     data_source: str | None = None
     row: int | None = None
+    # slime's fields kept in metadata["_sample"] in the lake
+    weight_versions: list[int] = field(default_factory=list)
+    remove_sample: bool = False
+    train_metadata: dict[str, Any] | None = None
+    session_id: str | None = None
+    non_generation_time: float = 0.0
+    generate_function_path: str | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -57,6 +68,11 @@ class Sample:
 
     def to_row(self, run_id: str, iteration: int, engine: str, kind: str = "train") -> dict[str, Any]:
         """The ``trajectories`` row for this sample (created_at is stamped by the lake)."""
+        extra = {k: getattr(self, k) for k, default in _EXTRA_DEFAULTS.items()
+                 if getattr(self, k) != default}
+        if not isinstance(self.prompt, str):
+            extra["prompt_messages"] = True
+        metadata = {**self.metadata, SAMPLE_KEY: extra} if extra else self.metadata
         return {
             "sample_uid": sample_uid(run_id, iteration, self.index, kind),
             "run_id": run_id,
@@ -65,7 +81,7 @@ class Sample:
             "group_index": self.group_index,
             "sample_index": self.index,
             "kind": kind,
-            "prompt": self.prompt,
+            "prompt": self.prompt if isinstance(self.prompt, str) else json.dumps(self.prompt),
             "prompt_token_ids": list(self.prompt_token_ids),
             "response": self.response,
             "response_token_ids": list(self.response_token_ids),
@@ -76,7 +92,7 @@ class Sample:
             "label": self.label,
             "status": Status(self.status).value,
             "finish_reason": self.finish_reason,
-            "metadata": json.dumps(self.metadata, default=str),
+            "metadata": json.dumps(metadata, default=str),
             "engine": engine,
             "data_source": self.data_source,
             "row": self.row,
@@ -84,10 +100,15 @@ class Sample:
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Sample:
+        metadata = json.loads(row.get("metadata") or "{}")
+        extra = metadata.pop(SAMPLE_KEY, {})
+        prompt = row["prompt"]
+        if extra.pop("prompt_messages", False):
+            prompt = json.loads(prompt)
         return cls(
             group_index=row["group_index"],
             index=row["sample_index"],
-            prompt=row["prompt"],
+            prompt=prompt,
             prompt_token_ids=list(row["prompt_token_ids"]),
             label=row.get("label"),
             response=row.get("response") or "",
@@ -99,9 +120,10 @@ class Sample:
             status=Status(row.get("status") or "pending"),
             finish_reason=row.get("finish_reason"),
             weight_version=row.get("weight_version", 0),
-            metadata=json.loads(row.get("metadata") or "{}"),
+            metadata=metadata,
             data_source=row.get("data_source"),
             row=row.get("row"),
+            **{k: v for k, v in extra.items() if k in _EXTRA_DEFAULTS},
         )
 
 
@@ -109,3 +131,9 @@ def sample_uid(run_id: str, iteration: int, index: int, kind: str = "train") -> 
     """``{run_id}/{iteration}/{index}``; eval samples get ``{run_id}/eval-{iteration}/{index}``."""
     step = str(iteration) if kind == "train" else f"{kind}-{iteration}"
     return f"{run_id}/{step}/{index}"
+
+
+SAMPLE_KEY = "_sample"
+_EXTRA_DEFAULTS: dict[str, Any] = {"weight_versions": [], "remove_sample": False,
+                                   "train_metadata": None, "session_id": None,
+                                   "non_generation_time": 0.0, "generate_function_path": None}

@@ -1,4 +1,4 @@
-"""Rollout tasks: generate samples with the engine, score them with the reward registry."""
+"""Rollout tasks: generate (with dynamic sampling / partial rollouts), score, write to the lake."""
 
 from __future__ import annotations
 
@@ -7,20 +7,39 @@ from prefect.cache_policies import NO_CACHE
 
 from infra.runtime import Runtime
 from rewards.registry import score_samples
-from rollout.rollout import generate_samples, make_samples
-from rollout.sample import Sample
+from rollout.context import RolloutContext, RolloutOutput
+from rollout.sample import Sample, Status
+
+
+def rollout_context(rt: Runtime) -> RolloutContext:
+    return RolloutContext(cfg=rt.cfg, engine=rt.engine, tokenizer=rt.tokenizer, dataset=rt.dataset,
+                          scorer=rt.reward_fn, sampling=rt.sampling(), data_position=rt.data_position,
+                          lake=rt.lake, run_id=rt.run_id)
 
 
 @task(name="generate_rollouts", cache_policy=NO_CACHE)
-def generate_rollouts(rt: Runtime, iteration: int) -> list[Sample]:
-    """rollout_batch_size prompts x n_samples_per_prompt samples with the current weights."""
-    r = rt.cfg.rollout
-    prompts = rt.dataset.take(iteration * r.rollout_batch_size, r.rollout_batch_size)
-    samples = make_samples(prompts, rt.tokenizer, r.n_samples_per_prompt, rt.dataset.source)
-    return generate_samples(rt.engine, rt.tokenizer, samples, rt.sampling())
+def generate_rollouts(rt: Runtime, iteration: int) -> RolloutOutput:
+    """rollout_batch_size groups x n_samples_per_prompt samples with the current weights,
+    starting at the run's data position (advanced by the prompts this iteration drew)."""
+    ctx = rollout_context(rt)
+    out = rt.rollout(ctx, iteration)
+    rt.data_position = ctx.data_position
+    out.stats["data/skipped_too_long"] = float(rt.dataset.skipped_too_long)
+    return out
 
 
 @task(name="score", cache_policy=NO_CACHE)
 def score(rt: Runtime, samples: list[Sample]) -> int:
-    """Rewards in place; returns the number of samples whose reward function failed."""
-    return score_samples(samples, rt.reward_fn)
+    """Rewards in place for samples not scored yet; returns how many samples' reward failed."""
+    todo = [s for s in samples if s.reward is None]
+    if todo:
+        score_samples(todo, rt.reward_fn)
+    return sum(s.status == Status.FAILED and "error" in s.reward_detail for s in samples)
+
+
+@task(name="write_rollout", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+def write_rollout(rt: Runtime, rollout: RolloutOutput, iteration: int) -> int | None:
+    """One Delta commit with every sample of the iteration (train, filtered, aborted/partial);
+    idempotent on sample_uid, so a retry or resume never duplicates."""
+    return rt.lake.append_trajectories(rollout.rows(rt.run_id, iteration, rt.engine.name,
+                                                    rt.cfg.rollout.partial_rollout))

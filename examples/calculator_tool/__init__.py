@@ -1,0 +1,1 @@
+"""A multi-turn tool-use example: the model calls a calculator with ``[expression]``."""

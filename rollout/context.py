@@ -1,0 +1,111 @@
+"""What a rollout function sees: ``RolloutContext`` (slime passes ``args`` + a data buffer).
+
+A custom ``rollout_function_path`` draws prompts with ``ctx.take_groups(n)``, which advances the
+durable data position; it generates with ``ctx.generate(samples)`` (the engine, or the custom
+generate function) and scores with ``ctx.score(samples)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rewards.registry import score_samples
+from rollout.data import PromptDataset
+from rollout.engine import RolloutEngine, SamplingParams
+from rollout.functions import call
+from rollout.rollout import generate_samples, make_samples
+from rollout.sample import Sample, Status
+
+
+@dataclass
+class RolloutOutput:
+    """One iteration's rollout: ``groups`` are trained on; ``filtered`` (rejected by the dynamic
+    sampling filter) and ``aborted`` (stopped once enough groups were kept) are recorded in the
+    lake under kind ``filtered`` / ``aborted`` / ``partial`` (aborted, to be continued)."""
+
+    groups: list[list[Sample]]
+    filtered: list[list[Sample]] = field(default_factory=list)
+    aborted: list[list[Sample]] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for g in self.groups for s in g]
+
+    def rows(self, run_id: str, iteration: int, engine: str, partial_rollout: bool) -> list[dict]:
+        """Every sample as a ``trajectories`` row: kinds train / filtered / partial or aborted."""
+        kinds = (("train", self.groups), ("filtered", self.filtered),
+                 ("partial" if partial_rollout else "aborted", self.aborted))
+        return [s.to_row(run_id, iteration, engine, kind)
+                for kind, groups in kinds for g in groups for s in g]
+
+
+@dataclass
+class RolloutContext:
+    cfg: Any  # infra.config.RunConfig (rlake's "args")
+    engine: RolloutEngine
+    tokenizer: Any
+    dataset: PromptDataset
+    scorer: Callable
+    sampling: SamplingParams
+    data_position: int = 0
+    lake: Any = None
+    run_id: str | None = None
+    generate_fn: Callable | None = None
+    chunk_tokens: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def take_groups(self, n: int) -> list[list[Sample]]:
+        """The next ``n`` prompts as groups of ``n_samples_per_prompt`` pending samples."""
+        r = self.cfg.rollout
+        prompts = self.dataset.take(self.data_position, n)
+        self.data_position += n
+        samples = make_samples(prompts, self.tokenizer, r.n_samples_per_prompt, self.dataset.source,
+                               apply_chat_template=self.cfg.data.apply_chat_template)
+        return group_samples(samples)
+
+    def generate(self, samples: list[Sample]) -> list[Sample]:
+        """One generation step of every pending sample: the custom generate function (whole
+        samples, one by one) or the engine (batched, ``chunk_tokens`` at a time)."""
+        if self.generate_fn is None:
+            return generate_samples(self.engine, self.tokenizer, samples, self.sampling, self.chunk_tokens)
+        for s in samples:
+            if s.status == Status.PENDING:
+                out = call(self.generate_fn, self, s, self.sampling)
+                if not isinstance(out, Sample):
+                    raise TypeError(f"custom_generate_function_path returned {type(out).__name__}, "
+                                    "expected a Sample")
+                if out is not s:  # in place: callers hold the sample in their groups
+                    s.__dict__.update(out.__dict__)
+                if s.status == Status.PENDING:
+                    raise ValueError("custom_generate_function_path returned a sample still "
+                                     "'pending': set its status (completed, truncated, aborted)")
+        return samples
+
+    def score(self, samples: list[Sample]) -> int:
+        """Score the samples that have no reward yet; returns the number that failed."""
+        todo = [s for s in samples if s.reward is None]
+        return score_samples(todo, self.scorer) if todo else 0
+
+
+def group_samples(samples: list[Sample]) -> list[list[Sample]]:
+    """Consecutive samples sharing a group_index -> one list per group, in order."""
+    groups: list[list[Sample]] = []
+    for s in samples:
+        if groups and groups[-1][0].group_index == s.group_index:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups
+
+
+def renumber(groups: list[list[Sample]]) -> list[list[Sample]]:
+    """group_index 0.. and index 0.. in order (sample_uid = run/iteration/index must be unique)."""
+    i = 0
+    for g, group in enumerate(groups):
+        for s in group:
+            s.group_index, s.index = g, i
+            i += 1
+    return groups

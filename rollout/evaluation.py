@@ -1,0 +1,81 @@
+"""Evaluation sets and their rollouts (slime's eval datasets).
+
+Each ``EvalSet`` has its prompts, reward, ``n_samples_per_eval_prompt`` and sampling. The default
+eval rollout generates ``n`` samples per prompt in one batched engine call and scores them;
+``eval_function_path`` (``fn(ctx, eval_set) -> groups``) replaces it. Eval samples go to the lake
+with ``kind = 'eval'`` and ``metadata["eval_dataset"]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from rewards.registry import Scorer
+from rollout.context import RolloutContext, group_samples
+from rollout.data import load_prompt_file
+from rollout.engine import SamplingParams
+from rollout.functions import call
+from rollout.rollout import generate_samples, make_samples
+from rollout.sample import Sample
+
+
+@dataclass
+class EvalSet:
+    name: str
+    records: list[dict]
+    source: str
+    scorer: Any
+    n_samples: int
+    sampling: SamplingParams
+
+
+def build_eval_sets(cfg, held_out: list[dict] | None, held_out_source: str) -> list[EvalSet]:
+    """Load every configured eval set (files read and rewards resolved now: errors come before
+    any generation). ``path: null`` is the built-in held-out set."""
+    out = []
+    for ds in cfg.eval.datasets:
+        if ds.path is None:
+            if not held_out:
+                raise ValueError(f"eval dataset '{ds.name}' has no path and there is no built-in "
+                                 "held-out set (data.task is null): give it a path")
+            records, source = held_out, f"{held_out_source}:{ds.name}"
+        else:
+            d = cfg.data
+            records = load_prompt_file(ds.path, ds.input_key or d.input_key,
+                                       ds.label_key or d.label_key, ds.metadata_key or d.metadata_key,
+                                       d.tool_key)
+            source = ds.path
+        temperature = ds.temperature if ds.temperature is not None else (
+            0.0 if cfg.eval.greedy else cfg.rollout.rollout_temperature)
+        sampling = SamplingParams(max_new_tokens=ds.max_response_len or cfg.rollout.rollout_max_response_len,
+                                  temperature=temperature, top_p=ds.top_p)
+        out.append(EvalSet(name=ds.name, records=records, source=source,
+                           scorer=Scorer.from_config(cfg, rm_type=ds.rm_type),
+                           n_samples=ds.n_samples_per_eval_prompt, sampling=sampling))
+    return out
+
+
+def default_eval_rollout(ctx: RolloutContext, eval_set: EvalSet) -> list[list[Sample]]:
+    """``n`` samples for every prompt of the set, generated in one batched call."""
+    samples = make_samples(list(enumerate(eval_set.records)), ctx.tokenizer, eval_set.n_samples,
+                           eval_set.source, apply_chat_template=ctx.cfg.data.apply_chat_template)
+    if ctx.generate_fn is None:
+        generate_samples(ctx.engine, ctx.tokenizer, samples, eval_set.sampling)
+    else:
+        ctx.generate(samples)
+    return group_samples(samples)
+
+
+def run_eval_set(ctx: RolloutContext, eval_set: EvalSet, eval_fn=None) -> list[list[Sample]]:
+    """Generate + score one eval set; every group has ``n_samples`` samples."""
+    ctx = replace(ctx, sampling=eval_set.sampling, scorer=eval_set.scorer)
+    groups = [list(g) for g in (call(eval_fn, ctx, eval_set) if eval_fn else default_eval_rollout(ctx, eval_set))]
+    for g in groups:
+        if len(g) != eval_set.n_samples:
+            raise ValueError(f"eval set '{eval_set.name}': a group has {len(g)} samples, "
+                             f"expected n_samples_per_eval_prompt={eval_set.n_samples}")
+        for s in g:
+            s.metadata["eval_dataset"] = eval_set.name
+    ctx.score([s for g in groups for s in g])
+    return groups

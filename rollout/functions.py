@@ -1,0 +1,68 @@
+"""User function paths (``package.module:function``): resolved and signature-checked up front.
+
+A bad path or a function that cannot take the arguments rlake passes is an error when the config
+is loaded, never at iteration 37. ``SIGNATURES`` lists, per config key, the positional
+arguments rlake calls the function with (docs/rollout.md has an example of each).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+# config key -> names of the positional arguments the function is called with
+SIGNATURES: dict[str, tuple[str, ...]] = {
+    "rollout_function_path": ("ctx", "iteration"),
+    "custom_generate_function_path": ("ctx", "sample", "sampling"),
+    "custom_rm_path": ("cfg", "sample"),
+    "dynamic_sampling_filter_path": ("cfg", "group"),
+    "eval_function_path": ("ctx", "dataset"),
+}
+
+
+def load_function(path: str, n_params: int | None = None, what: str = "function") -> Callable:
+    """Resolve ``package.module:function`` (``package.module.function`` also accepted, as slime
+    writes it) and check it can be called with ``n_params`` positional arguments."""
+    if ":" in path:
+        module_name, attr = path.split(":", 1)
+    elif "." in path:
+        module_name, attr = path.rsplit(".", 1)
+    else:
+        raise ValueError(f"{what} '{path}' must look like 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"{what} '{path}' cannot be loaded: {err}") from None
+    if not callable(fn):
+        raise ValueError(f"{what} '{path}' is not callable")
+    if n_params is not None:
+        try:
+            inspect.signature(fn).bind(*range(n_params))
+        except TypeError:
+            raise ValueError(f"{what} '{path}' must accept {n_params} positional arguments, "
+                             f"its signature is {inspect.signature(fn)}") from None
+        except ValueError:  # builtins without a signature: trust them
+            pass
+    return fn
+
+
+def load_configured(key: str, path: str | None) -> Callable | None:
+    """The function configured under ``key`` (one of ``SIGNATURES``), or None when unset."""
+    if not path:
+        return None
+    return load_function(path, len(SIGNATURES[key]), key)
+
+
+def call(fn: Callable, *args: Any) -> Any:
+    """Call a user function; an ``async def`` one (as slime users write them) is run to completion."""
+    out = fn(*args)
+    if inspect.isawaitable(out):
+        return asyncio.run(_await(out))
+    return out
+
+
+async def _await(awaitable):
+    return await awaitable

@@ -1,0 +1,43 @@
+"""Building a run's data, rewards and rollout functions from its config (called by the runtime
+when it opens, so every bad file, key or function path fails before any generation)."""
+
+from __future__ import annotations
+
+from rewards.registry import Scorer
+from rewards.tasks import load_task
+from rollout.data import PromptDataset, drop_long_prompts, load_prompt_file, next_data_position
+from rollout.evaluation import build_eval_sets
+from rollout.functions import load_configured
+from rollout.runner import Rollout
+
+
+def load_run_data(cfg, tokenizer) -> tuple[PromptDataset, list[dict]]:
+    """(training prompts, built-in held-out records). Training prompts come from
+    ``data.prompt_data`` when set, else from the built-in ``data.task``; prompts longer than
+    ``rollout_max_prompt_len`` tokens are dropped and counted."""
+    d = cfg.data
+    split = load_task(d.task, d.held_out_size) if d.task else None
+    if d.prompt_data:
+        records = load_prompt_file(d.prompt_data, d.input_key, d.label_key, d.metadata_key, d.tool_key)
+        source = d.prompt_data
+    elif split is not None:
+        records, source = split.train, f"builtin:{d.task}"
+    else:
+        raise ValueError("no prompt data: set data.prompt_data (a JSONL/Parquet file) or data.task")
+    records, skipped = drop_long_prompts(records, tokenizer, d.rollout_max_prompt_len,
+                                         d.apply_chat_template)
+    dataset = PromptDataset(records, seed=cfg.seed, shuffle=d.rollout_shuffle, source=source,
+                            skipped_too_long=skipped)
+    return dataset, (split.held_out if split else [])
+
+
+def attach_rollout(rt) -> None:
+    """Resolve the run's reward, rollout/generate/filter/eval functions and eval sets onto the
+    runtime ``rt``, and its data position (read back from the lake on a resume)."""
+    cfg = rt.cfg
+    rt.reward_fn = Scorer.from_config(cfg)
+    rt.rollout = Rollout(cfg)
+    rt.eval_fn = load_configured("eval_function_path", cfg.eval.eval_function_path)
+    source = f"builtin:{cfg.data.task}" if cfg.data.task else rt.dataset.source
+    rt.eval_sets = build_eval_sets(cfg, rt.held_out, source)
+    rt.data_position = next_data_position(rt.lake, rt.run_id, cfg.rollout.rollout_batch_size)

@@ -1,0 +1,151 @@
+"""Prompt data: JSONL/Parquet, slicing, keys, errors, chat template, long prompts, position."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from buffer import Lake
+from infra.config import ConfigError, load_config
+from infra.modeling import build_char_tokenizer
+from rollout.data import (
+    POSITION_METRIC,
+    PromptDataset,
+    drop_long_prompts,
+    load_prompt_file,
+    next_data_position,
+    parse_data_path,
+    render_prompt,
+)
+from rollout.setup import load_run_data
+
+
+def _write_jsonl(path, rows, raw_lines=()):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "".join(raw_lines))
+    return path
+
+
+@pytest.fixture
+def jsonl(tmp_path):
+    rows = [{"question": f"{i}+1=", "answer": i + 1, "meta": {"i": i}, "tools": [{"name": "calc"}]}
+            for i in range(10)]
+    return _write_jsonl(tmp_path / "p.jsonl", rows)
+
+
+def test_parse_data_path():
+    assert parse_data_path("a/b.jsonl") == ("a/b.jsonl", slice(None))
+    assert parse_data_path("x.parquet@[10:20]") == ("x.parquet", slice(10, 20))
+    assert parse_data_path("x.jsonl@[:5]") == ("x.jsonl", slice(None, 5))
+    assert parse_data_path("x.jsonl@[-3:]") == ("x.jsonl", slice(-3, None))
+    with pytest.raises(ValueError, match="bad row slice"):
+        parse_data_path("x.jsonl@[a:b]")
+
+
+def test_jsonl_keys_and_slice(jsonl):
+    recs = load_prompt_file(f"{jsonl}@[2:5]", "question", "answer", "meta", "tools")
+    assert [r["prompt"] for r in recs] == ["2+1=", "3+1=", "4+1="]
+    assert [r["label"] for r in recs] == ["3", "4", "5"] and [r["row"] for r in recs] == [2, 3, 4]
+    assert recs[0]["metadata"] == {"i": 2} and recs[0]["tools"] == [{"name": "calc"}]
+
+
+def test_parquet_matches_jsonl(tmp_path, jsonl):
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
+    a = load_prompt_file(f"{tmp_path / 'p.parquet'}@[-2:]", "question", "answer", "meta")
+    b = load_prompt_file(f"{jsonl}@[8:10]", "question", "answer", "meta")
+    assert a == b
+
+
+def test_malformed_line_names_file_and_line(tmp_path):
+    path = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a"}, {"prompt": "b"}], ['{"prompt": oops}\n'])
+    with pytest.raises(ValueError, match=r"bad.jsonl:line 3: malformed JSON"):
+        load_prompt_file(str(path), label_key=None)
+
+
+def test_missing_key_and_empty(tmp_path):
+    path = _write_jsonl(tmp_path / "k.jsonl", [{"prompt": "a", "label": 1}, {"prompt": "b"}])
+    with pytest.raises(ValueError, match=r"k.jsonl:line 2: missing key 'label'"):
+        load_prompt_file(str(path))
+    with pytest.raises(ValueError, match="is empty"):
+        load_prompt_file(f"{path}@[5:9]")
+    (tmp_path / "e.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        load_prompt_file(str(tmp_path / "e.jsonl"))
+    with pytest.raises(ValueError, match="not found"):
+        load_prompt_file(str(tmp_path / "none.jsonl"))
+
+
+def test_chat_template_and_plain_fallback():
+    tok = build_char_tokenizer()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1="}]
+    assert render_prompt(tok, "1+1=", apply_chat_template=True) == "1+1="  # no template: plain
+    assert render_prompt(tok, messages, apply_chat_template=True) == "be brief\n1+1="
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<a>{% endif %}")
+    assert render_prompt(tok, messages, apply_chat_template=True) == "<s>be brief<u>1+1=<a>"
+    assert render_prompt(tok, "2+2=", apply_chat_template=True) == "<u>2+2=<a>"
+    assert render_prompt(tok, "2+2=", apply_chat_template=False) == "2+2="
+
+
+def test_long_prompts_skipped_and_counted(tmp_path):
+    tok = build_char_tokenizer()
+    records = [{"prompt": "1" * n} for n in (3, 8, 5, 12)]
+    kept, skipped = drop_long_prompts(records, tok, 5, False)
+    assert [len(r["prompt"]) for r in kept] == [3, 5] and skipped == 2
+    path = _write_jsonl(tmp_path / "l.jsonl", [{"prompt": "1" * 40}])
+    cfg = load_config(None, [f"data.prompt_data={path}", "data.rollout_max_prompt_len=10",
+                             "data.label_key=null"])
+    with pytest.raises(ValueError, match="1 prompts were longer"):
+        load_run_data(cfg, tok)
+
+
+def test_load_run_data_from_file_and_task(jsonl):
+    tok = build_char_tokenizer()
+    cfg = load_config(None, [f"data.prompt_data={jsonl}@[0:4]", "data.input_key=question",
+                             "data.label_key=answer", "data.task=countdown", "data.held_out_size=7"])
+    dataset, held_out = load_run_data(cfg, tok)
+    assert len(dataset) == 4 and dataset.source.endswith("@[0:4]") and len(held_out) == 7
+    cfg = load_config(None, ["data.task=null"])
+    with pytest.raises(ValueError, match="no prompt data"):
+        load_run_data(cfg, tok)
+
+
+def test_positions_cover_each_epoch_once_and_resume_exactly():
+    ds = PromptDataset([{"prompt": str(i)} for i in range(7)], seed=3)
+    whole = [r["prompt"] for _, r in ds.take(0, 21)]
+    for epoch in range(3):
+        assert sorted(whole[epoch * 7:(epoch + 1) * 7]) == sorted(str(i) for i in range(7))
+    pieces = [r["prompt"] for start, n in ((0, 5), (5, 3), (8, 13))
+              for _, r in PromptDataset(ds.records, seed=3).take(start, n)]
+    assert pieces == whole
+
+
+def test_next_data_position_reads_the_lake(tmp_path):
+    lake = Lake(str(tmp_path / "lake"))
+    assert next_data_position(lake, "r1", 32) == 0
+    lake.append_train_step({"run_id": "r1", "step": 0, "iteration": 0,
+                            "metrics": json.dumps({POSITION_METRIC: 45.0})})
+    lake.append_train_step({"run_id": "r1", "step": 1, "iteration": 1,
+                            "metrics": json.dumps({POSITION_METRIC: 83.0})})
+    lake.append_train_step({"run_id": "r2", "step": 0, "iteration": 0, "metrics": "{}"})
+    assert next_data_position(lake, "r1", 32) == 83
+    assert next_data_position(lake, "r2", 32) == 32  # older rows: iterations x batch size
+    with pytest.raises(ValueError, match="no rollout/data_position_end"):
+        next_data_position(lake, "r2")
+
+
+def test_bad_function_paths_fail_at_config_load():
+    with pytest.raises(ConfigError, match="rollout.custom_rm_path.*cannot be loaded"):
+        load_config(None, ["rollout.custom_rm_path=no_such_module:fn"])
+    with pytest.raises(ConfigError, match="dynamic_sampling_filter_path.*must accept 2 positional"):
+        load_config(None, ["rollout.dynamic_sampling_filter_path=rollout.data:render_prompt"])
+    with pytest.raises(ConfigError, match="eval.eval_function_path"):
+        load_config(None, ["eval.eval_function_path=rollout.data:nothing_here"])
+    with pytest.raises(ConfigError, match="over_sampling_batch_size"):
+        load_config(None, ["rollout.rollout_batch_size=8", "rollout.over_sampling_batch_size=4"])
+    cfg = load_config(None, ["rollout.custom_generate_function_path=examples.calculator_tool.generate:generate",
+                             "rollout.dynamic_sampling_filter_path=default"])
+    assert cfg.rollout.dynamic_sampling_filter_path == "default"
