@@ -36,7 +36,7 @@ class SGLangConfig:
     health_interval_s: float = 5.0
     health_timeout_s: float = 30.0
     health_failures: int = 2
-    max_request_attempts: int = 5
+    max_request_attempts: int = 10
     request_timeout_s: float = 3600.0
     log_dir: str | None = None
 

@@ -38,10 +38,16 @@ from rollout.sglang.client import (
 )
 from rollout.sglang.config import SGLangConfig, section
 from rollout.sglang.server import ServerSpec, SGLangServer, free_port, router_process, wait_ready
-from rollout.sglang.weight_sync import DistributedWeightSender, fan_out, iter_checkpoint_tensors, update_from_disk
+from rollout.sglang.weight_sync import (
+    DistributedWeightSender,
+    fan_out,
+    iter_checkpoint_tensors,
+    update_from_disk,
+)
 
 log = logging.getLogger(__name__)
 _MAX_REISSUES = 50  # re-issues after server-side aborts (weight-update pauses), per request
+_CONNECTION_LOST = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 @dataclass
@@ -217,12 +223,15 @@ class SGLangEngine:
                          for i, p in enumerate(prompts)]
         return batch
 
-    def _acquire(self) -> Worker:
-        """The up worker with the fewest requests in flight (waits while none is up)."""
+    def _acquire(self, avoid: Worker | None = None) -> Worker:
+        """The up worker with the fewest requests in flight, other than ``avoid`` when another
+        is up (waits while none is up)."""
         deadline = time.monotonic() + self.config.startup_timeout_s + 60.0
         with self._cond:
             while True:
                 up = [w for w in self.workers if w.up]
+                if len(up) > 1 and avoid in up:
+                    up.remove(avoid)
                 if up:
                     w = min(up, key=lambda x: x.inflight)
                     w.inflight += 1
@@ -236,10 +245,11 @@ class SGLangEngine:
 
     def _request(self, batch: RolloutBatch, index: int, prompt: list[int], sampling: SamplingParams) -> GenerationResult:
         failures = reissues = 0
+        last_failed: Worker | None = None
         while True:
             if batch.aborted.is_set():
                 return GenerationResult([], [], "abort", meta={"attempts": failures + reissues})
-            worker = self._acquire()
+            worker = self._acquire(avoid=last_failed)
             target = self.router_url or worker.url
             rid = uuid.uuid4().hex
             batch.track(index, worker.url, rid)
@@ -263,6 +273,8 @@ class SGLangEngine:
                 error = f"HTTP {r.status_code}"
             except httpx.HTTPError as e:
                 error = f"{type(e).__name__}: {e}"
+                if not self.router_url and isinstance(e, _CONNECTION_LOST):
+                    self._set_up(worker, False)  # until the monitor sees it healthy (or restarts it)
             finally:
                 batch.untrack(index)
                 self._release(worker)
@@ -273,6 +285,7 @@ class SGLangEngine:
             log.warning("request %d on %s failed (%s); re-issuing", index, worker.url, error)
             if failures >= self.config.max_request_attempts:
                 raise SGLangError(f"request {index} failed {failures} times, last: {error}")
+            last_failed = worker
             self._suspect(worker)
             time.sleep(min(2.0, 0.2 * failures))
 
