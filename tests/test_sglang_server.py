@@ -146,21 +146,27 @@ def test_router_and_given_urls(engine, ckpts):
     assert all(w.server.alive() for w in engine.workers)  # not ours to stop
 
 
-def test_killed_server_is_restarted_and_batch_completes(engine, ckpts):
-    victim = engine.workers[0]
+def test_dead_and_hung_servers_are_restarted_and_batch_completes(engine, ckpts):
+    """Mid-rollout, server 0 is killed (SIGKILL to its process group) and server 1 hangs
+    (SIGSTOP): the monitors restart both at the current weight version, the lost requests are
+    re-issued, and the batch completes with every sample."""
+    dead, hung = engine.workers
     prompts = PROMPTS * 8
     batch = engine.start(prompts, SamplingParams(max_new_tokens=32, temperature=1.0))
     time.sleep(1.0)
-    os.killpg(victim.server.pid, signal.SIGKILL)
+    os.killpg(dead.server.pid, signal.SIGKILL)
+    os.killpg(hung.server.pid, signal.SIGSTOP)
     results = batch.results()
     assert len(results) == len(prompts)
     assert all(r.finish_reason in ("stop", "length") for r in results)
     assert mismatch(ckpts["a"], prompts, results, 1.0) < TOL
     deadline = time.monotonic() + engine.config.startup_timeout_s
-    while engine.stats["restarts"] < 1 or not victim.up:
-        assert time.monotonic() < deadline, "the monitor did not restart the killed server"
+    while not all(w.restarts >= 1 and w.up for w in (dead, hung)):
+        assert time.monotonic() < deadline, "the monitors did not restart both servers"
         time.sleep(1.0)
-    assert victim.server.alive() and served_weight_version(engine.http, victim.url) == "4"
-    results = engine.generate(PROMPTS * 2, SamplingParams(max_new_tokens=8, temperature=1.0))
-    assert victim.url in {r.meta["server"] for r in results}
-    assert mismatch(ckpts["a"], PROMPTS * 2, results, 1.0) < TOL
+    assert engine.stats["restarts"] == 2 and engine.stats["reissued"] > 0
+    for w in (dead, hung):
+        assert w.server.alive() and served_weight_version(engine.http, w.url) == "4"
+    results = engine.generate(PROMPTS * 4, SamplingParams(max_new_tokens=8, temperature=1.0))
+    assert {r.meta["server"] for r in results} == {dead.url, hung.url}
+    assert mismatch(ckpts["a"], PROMPTS * 4, results, 1.0) < TOL

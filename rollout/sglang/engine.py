@@ -60,6 +60,7 @@ class Worker:
     inflight: int = 0
     failures: int = 0
     restarts: int = 0
+    wake: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -117,7 +118,7 @@ class SGLangEngine:
         self._sync_lock = threading.RLock()
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._wake = threading.Event()
+        self._syncing = threading.Event()  # set while generation is paused for a weight sync
         self._sender: DistributedWeightSender | None = None
         self.router = None
         self.router_url: str | None = None
@@ -135,8 +136,10 @@ class SGLangEngine:
             self.shutdown()
             raise
         self._pool = ThreadPoolExecutor(max_workers=self.config.concurrency, thread_name_prefix="sglang-req")
-        self._monitor = threading.Thread(target=self._monitor_loop, name="sglang-health", daemon=True)
-        self._monitor.start()
+        self._monitors = [threading.Thread(target=self._monitor_loop, args=(w,), daemon=True,
+                                           name=f"sglang-health-{i}") for i, w in enumerate(self.workers)]
+        for t in self._monitors:
+            t.start()
 
     @classmethod
     def from_config(cls, cfg: Any, model_dir: str | Path, weight_version: int = 0) -> SGLangEngine:
@@ -181,16 +184,16 @@ class SGLangEngine:
             return
         self._closed = True
         self._stop.set()
-        self._wake.set()
+        for w in self.workers:
+            w.wake.set()
         if hasattr(self, "_pool"):
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._sender is not None:
             self._sender.close()
-        if self.router is not None:
-            self.router.stop()
-        for w in self.workers:
-            if w.server is not None:
-                w.server.stop()
+        procs = [w.server for w in self.workers if w.server is not None] + [self.router] * (self.router is not None)
+        if procs:
+            with ThreadPoolExecutor(max_workers=len(procs)) as pool:
+                list(pool.map(lambda p: p.stop(), procs))
         self.http.close()
         atexit.unregister(self.shutdown)
 
@@ -297,29 +300,35 @@ class SGLangEngine:
         if self.config.weight_sync == "distributed":
             self.update_weights_from_tensors(iter_checkpoint_tensors(checkpoint_dir), weight_version, checkpoint_dir)
             return
-        with self._paused():
-            update_from_disk(self.http, self.urls, str(checkpoint_dir), str(weight_version))
-            self._commit(str(checkpoint_dir), weight_version)
+        with self._paused() as urls:
+            update_from_disk(self.http, urls, str(checkpoint_dir), str(weight_version))
+            self._commit(urls, str(checkpoint_dir), weight_version)
 
     def update_weights_from_tensors(self, named: Iterable[tuple[str, torch.Tensor]], weight_version: int,
                                     checkpoint_dir: str | None = None) -> None:
         """Broadcast ``named`` (HF parameter names) to every worker over the weight-update group.
         ``checkpoint_dir`` (the same weights on disk) is what a restarted server loads."""
-        with self._paused():
+        with self._paused() as urls:
+            if self._sender is not None and self._sender.urls != urls:
+                self._drop_sender()
             if self._sender is None:
-                self._sender = DistributedWeightSender(self.http, self.urls, self.config.dist_backend,
+                self._sender = DistributedWeightSender(self.http, urls, self.config.dist_backend,
                                                        bucket_bytes=self.config.bucket_mb << 20)
             try:
                 self._sender.send(named, str(weight_version))
             except BaseException:
                 self._drop_sender()
                 raise
-            self._commit(checkpoint_dir or self._checkpoint, weight_version)
+            self._commit(urls, checkpoint_dir or self._checkpoint, weight_version)
 
-    def _commit(self, checkpoint_dir: str, weight_version: int) -> None:
-        """Check that every worker serves ``weight_version``, then record it."""
-        bad = {w.url: v for w in self.workers
-               if (v := served_weight_version(self.http, w.url)) != str(weight_version)}
+    def _sync_targets(self) -> list[str]:
+        """Workers a weight sync must reach: all but launched ones that are down (those restart
+        from the newest checkpoint, which the sync records, so they come back current)."""
+        return [w.url for w in self.workers if w.up or w.server is None]
+
+    def _commit(self, urls: list[str], checkpoint_dir: str, weight_version: int) -> None:
+        """Check that every synced worker serves ``weight_version``, then record it."""
+        bad = {u: v for u in urls if (v := served_weight_version(self.http, u)) != str(weight_version)}
         if bad:
             raise SGLangError(f"weight sync to version {weight_version} not applied: {bad}")
         self._checkpoint, self._version = checkpoint_dir, int(weight_version)
@@ -328,18 +337,27 @@ class SGLangEngine:
         engine = self
 
         class _Pause:
-            def __enter__(self_inner):
+            urls: list[str] = []
+
+            def __enter__(self_inner) -> list[str]:
                 engine._sync_lock.acquire()
+                engine._syncing.set()
                 try:
-                    fan_out(engine.http, engine.urls, "/pause_generation", {"mode": engine.config.pause_mode})
+                    self_inner.urls = engine._sync_targets()
+                    if not self_inner.urls:
+                        raise SGLangError("weight sync: no SGLang server is up")
+                    fan_out(engine.http, self_inner.urls, "/pause_generation", {"mode": engine.config.pause_mode})
                 except BaseException:
+                    engine._syncing.clear()
                     engine._sync_lock.release()
                     raise
+                return self_inner.urls
 
             def __exit__(self_inner, *exc):
                 try:
-                    fan_out(engine.http, engine.urls, "/continue_generation", {})
+                    fan_out(engine.http, self_inner.urls, "/continue_generation", {})
                 finally:
+                    engine._syncing.clear()
                     engine._sync_lock.release()
 
         return _Pause()
@@ -351,51 +369,58 @@ class SGLangEngine:
 
     # ----------------------------------------------------------------- health
     def _suspect(self, worker: Worker) -> None:
-        """A request failed on ``worker``: have the monitor look at it now."""
-        self._wake.set()
+        """A request failed on ``worker`` (on any worker, behind a router): check it now."""
+        for w in self.workers if self.router_url else [worker]:
+            w.wake.set()
 
-    def _monitor_loop(self) -> None:
+    def _monitor_loop(self, w: Worker) -> None:
+        """One thread per worker: probe every ``health_interval_s`` (or when woken)."""
         while not self._stop.is_set():
-            self._wake.wait(timeout=self.config.health_interval_s)
-            self._wake.clear()
+            w.wake.wait(timeout=self.config.health_interval_s)
+            w.wake.clear()
             if self._stop.is_set():
                 return
-            for w in self.workers:
-                try:
-                    self._check(w)
-                except Exception:  # noqa: BLE001 - the monitor must survive to try again
-                    log.exception("health check of %s failed", w.url)
+            try:
+                self._check(w)
+            except Exception:  # noqa: BLE001 - the monitor must survive to try again
+                log.exception("health check / restart of %s failed", w.url)
 
     def _check(self, w: Worker) -> None:
-        if not self._sync_lock.acquire(blocking=False):
-            return  # a weight sync is running (generation is paused on purpose)
-        try:
-            dead = w.server is not None and not w.server.alive()
-            ok = not dead and healthy(self.http, w.url, self.config.health_timeout_s)
-            w.failures = 0 if ok else w.failures + 1
-            if ok or (not dead and w.failures < self.config.health_failures):
-                self._set_up(w, True)
+        """Dead (launched process gone) -> restart now; ``health_failures`` failed
+        ``/health_generate`` probes in a row (hung) -> restart; healthy -> mark up."""
+        dead = w.server is not None and not w.server.alive()
+        if not dead:
+            if self._syncing.is_set():
+                return  # generation is paused on purpose: a probe would time out
+            ok = healthy(self.http, w.url, self.config.health_timeout_s)
+            if self._syncing.is_set():
                 return
-            self._set_up(w, False)
-            if w.server is not None:
-                self._restart(w)
-        finally:
-            self._sync_lock.release()
+            w.failures = 0 if ok else w.failures + 1
+            if ok or w.failures < self.config.health_failures:
+                self._set_up(w, ok or w.up)
+                return
+        self._set_up(w, False)
+        if w.server is not None:
+            self._restart(w)
 
     def _restart(self, w: Worker) -> None:
-        """Relaunch ``w`` from the newest checkpoint at the current version (sync lock held)."""
+        """Relaunch ``w`` on its port from the newest checkpoint at the current version; if a
+        sync landed meanwhile, bring it to that version from disk; then put it back in service."""
         log.warning("restarting SGLang server %s (pid %s)", w.url, w.server.pid)
         w.server.relaunch(self._checkpoint, str(self._version))
         wait_ready(w.server, w.url, self.config.startup_timeout_s)
-        served = served_weight_version(self.http, w.url)
-        if served != str(self._version):
-            raise SGLangError(f"{w.url} restarted at weight version {served}, expected {self._version}")
-        self._drop_sender()  # the old group lost a rank; the next distributed sync rebuilds it
-        w.failures = 0
-        w.restarts += 1
-        with self._cond:
-            self.stats["restarts"] += 1
-        self._set_up(w, True)
+        with self._sync_lock:
+            if served_weight_version(self.http, w.url) != str(self._version):
+                update_from_disk(self.http, [w.url], self._checkpoint, str(self._version))
+            served = served_weight_version(self.http, w.url)
+            if served != str(self._version):
+                raise SGLangError(f"{w.url} restarted at weight version {served}, expected {self._version}")
+            self._drop_sender()  # the old group lost a rank; the next distributed sync rebuilds it
+            w.failures = 0
+            w.restarts += 1
+            with self._cond:
+                self.stats["restarts"] += 1
+            self._set_up(w, True)
 
     def _set_up(self, w: Worker, up: bool) -> None:
         with self._cond:

@@ -71,6 +71,8 @@ class ServerSpec:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
+        if Path(self.model_path).is_dir():
+            env.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint: never ask the Hub
         if self.device == "cpu":
             env.update(CPU_ENV)
         env.update(self.env)
@@ -111,10 +113,12 @@ class ManagedProcess:
                 pass
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the group, wait up to ``grace_s``, then SIGKILL it; reap the child."""
+        """SIGTERM the group (SIGCONT too, in case it was stopped), wait up to ``grace_s``,
+        then SIGKILL it; reap the child."""
         if self.proc is None:
             return
         self.signal_group(signal.SIGTERM)
+        self.signal_group(signal.SIGCONT)
         try:
             self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
