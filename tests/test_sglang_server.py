@@ -57,7 +57,7 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(ckpts, tmp_path_factory):
     cfg = SGLangConfig(
-        num_servers=2, concurrency=16, health_interval_s=1.0, health_timeout_s=5.0, health_failures=2,
+        num_servers=2, concurrency=16, health_interval_s=1.0, health_timeout_s=10.0, health_failures=2,
         log_dir=str(tmp_path_factory.mktemp("sglang-logs")),
     )
     eng = SGLangEngine(ckpts["a"], cfg, weight_version=0)
@@ -97,7 +97,9 @@ def test_distributed_sync_then_outputs_follow_new_checkpoint(engine, ckpts):
         results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0))
         assert {r.meta["weight_version"] for r in results} == {"2"}
         assert mismatch(ckpts["a"], PROMPTS, results, 1.0) < TOL
-        engine.update_weights(ckpts["b"], 3)  # the group is reused for the next version
+        # the trainer-side call: live parameters, the group reused for the next version
+        named = [(n, p.detach()) for n, p in hf_model(ckpts["b"]).named_parameters()]
+        engine.update_weights_from_tensors(named, 3, checkpoint_dir=ckpts["b"])
         results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0))
         assert {r.meta["weight_version"] for r in results} == {"3"}
         assert mismatch(ckpts["b"], PROMPTS, results, 1.0) < TOL
@@ -164,7 +166,7 @@ def test_dead_and_hung_servers_are_restarted_and_batch_completes(engine, ckpts):
     while not all(w.restarts >= 1 and w.up for w in (dead, hung)):
         assert time.monotonic() < deadline, "the monitors did not restart both servers"
         time.sleep(1.0)
-    assert engine.stats["restarts"] == 2 and engine.stats["reissued"] > 0
+    assert engine.stats["restarts"] >= 2 and engine.stats["reissued"] > 0
     for w in (dead, hung):
         assert w.server.alive() and served_weight_version(engine.http, w.url) == "4"
     results = engine.generate(PROMPTS * 4, SamplingParams(max_new_tokens=8, temperature=1.0))

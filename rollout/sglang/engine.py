@@ -60,6 +60,7 @@ class Worker:
     inflight: int = 0
     failures: int = 0
     restarts: int = 0
+    stale: bool = False  # restarted behind the served version, no checkpoint to reload: next sync
     wake: threading.Event = field(default_factory=threading.Event)
 
 
@@ -114,7 +115,8 @@ class SGLangEngine:
         self.config = config or SGLangConfig()
         self.http = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self._version = int(weight_version)
-        self._checkpoint = str(model_dir)  # newest weights on disk: what a restarted server loads
+        # the newest weights on disk and their version: what a restarted server loads
+        self._disk = (str(model_dir), int(weight_version))
         self._sync_lock = threading.RLock()
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -160,7 +162,7 @@ class SGLangEngine:
             return
         for i in range(cfg.num_servers):
             spec = ServerSpec(
-                model_path=self._checkpoint, port=free_port(), python=cfg.python,
+                model_path=self._disk[0], port=free_port(), python=cfg.python,
                 weight_version=str(self._version), max_total_tokens=cfg.max_total_tokens,
                 device=cfg.device, extra_args=list(cfg.extra_server_args),
                 log_path=str(self.log_dir / f"sglang-{i}.log"),
@@ -319,19 +321,26 @@ class SGLangEngine:
             except BaseException:
                 self._drop_sender()
                 raise
-            self._commit(urls, checkpoint_dir or self._checkpoint, weight_version)
+            self._commit(urls, checkpoint_dir, weight_version)
 
     def _sync_targets(self) -> list[str]:
         """Workers a weight sync must reach: all but launched ones that are down (those restart
         from the newest checkpoint, which the sync records, so they come back current)."""
-        return [w.url for w in self.workers if w.up or w.server is None]
+        return [w.url for w in self.workers if w.up or w.stale or w.server is None]
 
-    def _commit(self, urls: list[str], checkpoint_dir: str, weight_version: int) -> None:
-        """Check that every synced worker serves ``weight_version``, then record it."""
+    def _commit(self, urls: list[str], checkpoint_dir: str | None, weight_version: int) -> None:
+        """Check that every synced worker serves ``weight_version``, then record it (and the
+        checkpoint holding it, when there is one)."""
         bad = {u: v for u in urls if (v := served_weight_version(self.http, u)) != str(weight_version)}
         if bad:
             raise SGLangError(f"weight sync to version {weight_version} not applied: {bad}")
-        self._checkpoint, self._version = checkpoint_dir, int(weight_version)
+        self._version = int(weight_version)
+        if checkpoint_dir is not None:
+            self._disk = (str(checkpoint_dir), int(weight_version))
+        for w in self.workers:
+            if w.stale and w.url in urls:
+                w.stale = False
+                self._set_up(w, True)
 
     def _paused(self):
         engine = self
@@ -397,7 +406,7 @@ class SGLangEngine:
                 return
             w.failures = 0 if ok else w.failures + 1
             if ok or w.failures < self.config.health_failures:
-                self._set_up(w, ok or w.up)
+                self._set_up(w, (ok or w.up) and not w.stale)
                 return
         self._set_up(w, False)
         if w.server is not None:
@@ -407,20 +416,27 @@ class SGLangEngine:
         """Relaunch ``w`` on its port from the newest checkpoint at the current version; if a
         sync landed meanwhile, bring it to that version from disk; then put it back in service."""
         log.warning("restarting SGLang server %s (pid %s)", w.url, w.server.pid)
-        w.server.relaunch(self._checkpoint, str(self._version))
+        path, version = self._disk
+        w.server.relaunch(path, str(version))
         wait_ready(w.server, w.url, self.config.startup_timeout_s)
         with self._sync_lock:
-            if served_weight_version(self.http, w.url) != str(self._version):
-                update_from_disk(self.http, [w.url], self._checkpoint, str(self._version))
+            path, version = self._disk
+            if served_weight_version(self.http, w.url) != str(version):
+                update_from_disk(self.http, [w.url], path, str(version))
             served = served_weight_version(self.http, w.url)
-            if served != str(self._version):
-                raise SGLangError(f"{w.url} restarted at weight version {served}, expected {self._version}")
+            if served != str(version):
+                raise SGLangError(f"{w.url} restarted at weight version {served}, expected {version}")
             self._drop_sender()  # the old group lost a rank; the next distributed sync rebuilds it
             w.failures = 0
             w.restarts += 1
             with self._cond:
                 self.stats["restarts"] += 1
-            self._set_up(w, True)
+            # weights pushed from tensors with no checkpoint on disk: out of rotation until a sync
+            w.stale = version != self._version
+            if w.stale:
+                log.warning("%s is back at version %s < %s: idle until the next weight sync",
+                            w.url, version, self._version)
+            self._set_up(w, not w.stale)
 
     def _set_up(self, w: Worker, up: bool) -> None:
         with self._cond:
