@@ -142,6 +142,7 @@ def test_router_and_given_urls(engine, ckpts):
     try:
         results = other.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0))
         assert {r.meta["server"] for r in results} == {other.router_url}
+        assert other.stats["request_failures"] == 0  # the router was ready when start-up returned
         assert mismatch(ckpts["a"], PROMPTS, results, 1.0) < TOL
     finally:
         other.shutdown()

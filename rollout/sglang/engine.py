@@ -37,7 +37,14 @@ from rollout.sglang.client import (
     served_weight_version,
 )
 from rollout.sglang.config import SGLangConfig, section
-from rollout.sglang.server import ServerSpec, SGLangServer, free_port, router_process, wait_ready
+from rollout.sglang.server import (
+    ServerSpec,
+    SGLangServer,
+    free_port,
+    router_process,
+    wait_ready,
+    wait_router_workers,
+)
 from rollout.sglang.weight_sync import (
     DistributedWeightSender,
     fan_out,
@@ -179,7 +186,7 @@ class SGLangEngine:
                                      log_path=str(self.log_dir / "router.log"))
         self.router.start()
         self.router_url = f"http://127.0.0.1:{port}"
-        wait_ready(self.router, self.router_url, self.config.startup_timeout_s)
+        wait_router_workers(self.router, self.router_url, len(self.workers), self.config.startup_timeout_s)
 
     def shutdown(self) -> None:
         if self._closed:

@@ -172,6 +172,25 @@ def wait_ready(proc: ManagedProcess, url: str, timeout_s: float, endpoint: str =
     raise TimeoutError(f"{proc.name} not ready after {timeout_s:.0f} s:\n{proc.log_tail()}")
 
 
+def wait_router_workers(router: ManagedProcess, url: str, n_workers: int, timeout_s: float) -> None:
+    """Wait until the router lists ``n_workers`` healthy workers in ``GET /workers`` (it answers
+    before its workers are registered, and routes nothing until they are)."""
+    wait_ready(router, url, timeout_s, endpoint="/workers")
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client() as client:
+        while time.monotonic() < deadline:
+            try:
+                workers = client.get(f"{url}/workers", timeout=5).json().get("workers", [])
+                if sum(bool(w.get("is_healthy")) for w in workers) >= n_workers:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            if not router.alive():
+                raise RuntimeError(f"{router.name} exited:\n{router.log_tail()}")
+            time.sleep(0.5)
+    raise TimeoutError(f"{router.name}: {n_workers} healthy workers not registered after {timeout_s:.0f} s")
+
+
 def router_process(worker_urls: list[str], port: int, python: str | None = None,
                    host: str = "127.0.0.1", log_path: str | None = None) -> ManagedProcess:
     """An sglang-router (round robin) in front of ``worker_urls``; start it with ``.start()``."""
