@@ -1,0 +1,451 @@
+"""SGLangEngine: the rollout engine interface over real SGLang servers.
+
+Generation: one ``/generate`` call per prompt (token ids in, token ids + logprobs out), at most
+``concurrency`` in flight, spread over the workers by least in-flight count (or through an
+sglang-router). A ``RolloutBatch`` can be aborted (dynamic sampling: stop the surplus).
+Weight sync: ``pause_generation`` -> disk or distributed update on every worker ->
+served ``weight_version`` checked on every worker -> ``continue_generation``.
+Fault tolerance: a monitor thread probes ``/health_generate``; a dead or hung server it launched
+is restarted on the same port from the newest checkpoint (so it comes back at the current weight
+version), and the requests it lost are re-issued, so the batch completes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from rollout.engine import GenerationResult, SamplingParams
+from rollout.sglang.client import (
+    SGLangError,
+    generate_payload,
+    healthy,
+    parse_generate,
+    post,
+    served_weight_version,
+)
+from rollout.sglang.config import SGLangConfig, section
+from rollout.sglang.server import (
+    ServerSpec,
+    SGLangServer,
+    free_port,
+    router_process,
+    wait_ready,
+    wait_router_workers,
+)
+from rollout.sglang.weight_sync import (
+    DistributedWeightSender,
+    fan_out,
+    iter_checkpoint_tensors,
+    update_from_disk,
+)
+
+log = logging.getLogger(__name__)
+_MAX_REISSUES = 50  # re-issues after server-side aborts (weight-update pauses), per request
+_CONNECTION_LOST = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+@dataclass
+class Worker:
+    """One SGLang server as the engine sees it."""
+
+    url: str
+    server: SGLangServer | None = None  # None: an external server (given by URL)
+    up: bool = True
+    inflight: int = 0
+    failures: int = 0
+    restarts: int = 0
+    stale: bool = False  # restarted behind the served version, no checkpoint to reload: next sync
+    wake: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class RolloutBatch:
+    """Handle on a submitted batch: results in prompt order, or abort what is still running."""
+
+    engine: SGLangEngine
+    futures: list[Future] = field(default_factory=list)
+    aborted: threading.Event = field(default_factory=threading.Event)
+    _live: dict[int, tuple[str, str]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def track(self, index: int, url: str, rid: str) -> None:
+        with self._lock:
+            self._live[index] = (url, rid)
+
+    def untrack(self, index: int) -> None:
+        with self._lock:
+            self._live.pop(index, None)
+
+    def abort(self) -> int:
+        """Abort every request not finished yet (they return ``finish_reason='abort'`` with the
+        tokens generated so far; unsent ones return empty). Returns how many were live."""
+        self.aborted.set()
+        with self._lock:
+            live = list(self._live.values())
+        for _url, rid in live:
+            for w in self.engine.workers:  # the router may have placed it anywhere
+                try:
+                    post(self.engine.http, w.url, "/abort_request", {"rid": rid}, 10.0)
+                except SGLangError:
+                    pass
+        return len(live)
+
+    def as_completed(self) -> Iterator[tuple[int, GenerationResult]]:
+        """(prompt index, result) as each finishes."""
+        index = {f: i for i, f in enumerate(self.futures)}
+        for f in as_completed(self.futures):
+            yield index[f], f.result()
+
+    def results(self) -> list[GenerationResult]:
+        return [f.result() for f in self.futures]
+
+
+class SGLangEngine:
+    """The ``RolloutEngine`` over SGLang servers (see module docstring)."""
+
+    name = "sglang"
+
+    def __init__(self, model_dir: str | Path, config: SGLangConfig | None = None, weight_version: int = 0):
+        self.config = config or SGLangConfig()
+        self.http = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self._version = int(weight_version)
+        # the newest weights on disk and their version: what a restarted server loads
+        self._disk = (str(model_dir), int(weight_version))
+        self._sync_lock = threading.RLock()
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._syncing = threading.Event()  # set while generation is paused for a weight sync
+        self._sender: DistributedWeightSender | None = None
+        self.router = None
+        self.router_url: str | None = None
+        self.stats = {"restarts": 0, "reissued": 0, "request_failures": 0}
+        self.log_dir = Path(self.config.log_dir or tempfile.mkdtemp(prefix="rlake-sglang-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.workers: list[Worker] = []
+        self._closed = False
+        atexit.register(self.shutdown)
+        try:
+            self._start_workers()
+            if self.config.router:
+                self._start_router()
+        except BaseException:
+            self.shutdown()
+            raise
+        self._pool = ThreadPoolExecutor(max_workers=self.config.concurrency, thread_name_prefix="sglang-req")
+        self._monitors = [threading.Thread(target=self._monitor_loop, args=(w,), daemon=True,
+                                           name=f"sglang-health-{i}") for i, w in enumerate(self.workers)]
+        for t in self._monitors:
+            t.start()
+
+    @classmethod
+    def from_config(cls, cfg: Any, model_dir: str | Path, weight_version: int = 0) -> SGLangEngine:
+        """Build from the run config (its ``rollout.sglang`` section, or that section itself)."""
+        return cls(model_dir, SGLangConfig.from_mapping(section(cfg)), weight_version)
+
+    # ----------------------------------------------------------------- lifecycle
+    def _start_workers(self) -> None:
+        cfg = self.config
+        if cfg.urls:
+            self.workers = [Worker(url=u.rstrip("/")) for u in cfg.urls]
+            for w in self.workers:
+                deadline = time.monotonic() + cfg.startup_timeout_s
+                while not healthy(self.http, w.url, 5.0, generate=False):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"rollout.sglang.urls: {w.url} not healthy")
+                    time.sleep(1.0)
+            return
+        for i in range(cfg.num_servers):
+            spec = ServerSpec(
+                model_path=self._disk[0], port=free_port(), python=cfg.python,
+                weight_version=str(self._version), max_total_tokens=cfg.max_total_tokens,
+                device=cfg.device, extra_args=list(cfg.extra_server_args),
+                log_path=str(self.log_dir / f"sglang-{i}.log"),
+            )
+            server = SGLangServer(spec)
+            server.start()
+            self.workers.append(Worker(url=server.url, server=server))
+        for w in self.workers:
+            wait_ready(w.server, w.url, cfg.startup_timeout_s)
+
+    def _start_router(self) -> None:
+        port = free_port()
+        self.router = router_process([w.url for w in self.workers], port, self.config.python,
+                                     log_path=str(self.log_dir / "router.log"))
+        self.router.start()
+        self.router_url = f"http://127.0.0.1:{port}"
+        wait_router_workers(self.router, self.router_url, len(self.workers), self.config.startup_timeout_s)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        for w in self.workers:
+            w.wake.set()
+        if hasattr(self, "_pool"):
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._sender is not None:
+            self._sender.close()
+        procs = [w.server for w in self.workers if w.server is not None] + [self.router] * (self.router is not None)
+        if procs:
+            with ThreadPoolExecutor(max_workers=len(procs)) as pool:
+                list(pool.map(lambda p: p.stop(), procs))
+        self.http.close()
+        atexit.unregister(self.shutdown)
+
+    def __enter__(self) -> SGLangEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def urls(self) -> list[str]:
+        return [w.url for w in self.workers]
+
+    # ----------------------------------------------------------------- generation
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[GenerationResult]:
+        """One response per prompt, in prompt order."""
+        return self.start(prompts, sampling).results()
+
+    def start(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        """Submit ``prompts`` now; the returned batch yields results as they finish or aborts
+        the rest (``batch.abort()``, for dynamic sampling's over-sampling)."""
+        if self._closed:
+            raise RuntimeError("SGLangEngine is shut down")
+        batch = RolloutBatch(self)
+        batch.futures = [self._pool.submit(self._request, batch, i, list(p), sampling)
+                         for i, p in enumerate(prompts)]
+        return batch
+
+    def _acquire(self, avoid: Worker | None = None) -> Worker:
+        """The up worker with the fewest requests in flight, other than ``avoid`` when another
+        is up (waits while none is up)."""
+        deadline = time.monotonic() + self.config.startup_timeout_s + 60.0
+        with self._cond:
+            while True:
+                up = [w for w in self.workers if w.up]
+                if len(up) > 1 and avoid in up:
+                    up.remove(avoid)
+                if up:
+                    w = min(up, key=lambda x: x.inflight)
+                    w.inflight += 1
+                    return w
+                if self._closed or not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise SGLangError("no SGLang server is up")
+
+    def _release(self, w: Worker) -> None:
+        with self._cond:
+            w.inflight -= 1
+
+    def _request(self, batch: RolloutBatch, index: int, prompt: list[int], sampling: SamplingParams) -> GenerationResult:
+        failures = reissues = 0
+        last_failed: Worker | None = None
+        while True:
+            if batch.aborted.is_set():
+                return GenerationResult([], [], "abort", meta={"attempts": failures + reissues})
+            worker = self._acquire(avoid=last_failed)
+            target = self.router_url or worker.url
+            rid = uuid.uuid4().hex
+            batch.track(index, worker.url, rid)
+            error: str | None = None
+            try:
+                r = self.http.post(f"{target}/generate", json=generate_payload(prompt, sampling, rid),
+                                   timeout=self.config.request_timeout_s)
+                if r.status_code == 200:
+                    result = parse_generate(r.json())
+                    if result.finish_reason != "abort" or batch.aborted.is_set():
+                        result.meta.update(server=target, attempts=failures + reissues + 1)
+                        return result
+                    reissues += 1  # aborted by the server (a weight-update pause): run it again
+                    with self._cond:
+                        self.stats["reissued"] += 1
+                    if reissues > _MAX_REISSUES:
+                        raise SGLangError(f"request {index} aborted by the server {reissues} times")
+                    continue
+                if 400 <= r.status_code < 500:
+                    raise SGLangError(f"{target}/generate: HTTP {r.status_code}: {r.text[:300]}")
+                error = f"HTTP {r.status_code}"
+            except httpx.HTTPError as e:
+                error = f"{type(e).__name__}: {e}"
+                if not self.router_url and isinstance(e, _CONNECTION_LOST):
+                    self._set_up(worker, False)  # until the monitor sees it healthy (or restarts it)
+            finally:
+                batch.untrack(index)
+                self._release(worker)
+            failures += 1
+            with self._cond:
+                self.stats["request_failures"] += 1
+                self.stats["reissued"] += 1
+            log.warning("request %d on %s failed (%s); re-issuing", index, worker.url, error)
+            if failures >= self.config.max_request_attempts:
+                raise SGLangError(f"request {index} failed {failures} times, last: {error}")
+            last_failed = worker
+            self._suspect(worker)
+            time.sleep(min(2.0, 0.2 * failures))
+
+    # ----------------------------------------------------------------- weight sync
+    def update_weights(self, checkpoint_dir: str, weight_version: int) -> None:
+        """Serve the HF checkpoint at ``checkpoint_dir`` as ``weight_version`` on every worker
+        (``weight_sync: disk`` -> each worker reads it; ``distributed`` -> this process reads it
+        and broadcasts the tensors)."""
+        if self.config.weight_sync == "distributed":
+            self.update_weights_from_tensors(iter_checkpoint_tensors(checkpoint_dir), weight_version, checkpoint_dir)
+            return
+        with self._paused() as urls:
+            update_from_disk(self.http, urls, str(checkpoint_dir), str(weight_version))
+            self._commit(urls, str(checkpoint_dir), weight_version)
+
+    def update_weights_from_tensors(self, named: Iterable[tuple[str, torch.Tensor]], weight_version: int,
+                                    checkpoint_dir: str | None = None) -> None:
+        """Broadcast ``named`` (HF parameter names) to every worker over the weight-update group.
+        ``checkpoint_dir`` (the same weights on disk) is what a restarted server loads."""
+        with self._paused() as urls:
+            if self._sender is not None and self._sender.urls != urls:
+                self._drop_sender()
+            if self._sender is None:
+                self._sender = DistributedWeightSender(self.http, urls, self.config.dist_backend,
+                                                       bucket_bytes=self.config.bucket_mb << 20)
+            try:
+                self._sender.send(named, str(weight_version))
+            except BaseException:
+                self._drop_sender()
+                raise
+            self._commit(urls, checkpoint_dir, weight_version)
+
+    def _sync_targets(self) -> list[str]:
+        """Workers a weight sync must reach: all but launched ones that are down (those restart
+        from the newest checkpoint, which the sync records, so they come back current)."""
+        return [w.url for w in self.workers if w.up or w.stale or w.server is None]
+
+    def _commit(self, urls: list[str], checkpoint_dir: str | None, weight_version: int) -> None:
+        """Check that every synced worker serves ``weight_version``, then record it (and the
+        checkpoint holding it, when there is one)."""
+        bad = {u: v for u in urls if (v := served_weight_version(self.http, u)) != str(weight_version)}
+        if bad:
+            raise SGLangError(f"weight sync to version {weight_version} not applied: {bad}")
+        self._version = int(weight_version)
+        if checkpoint_dir is not None:
+            self._disk = (str(checkpoint_dir), int(weight_version))
+        for w in self.workers:
+            if w.stale and w.url in urls:
+                w.stale = False
+                self._set_up(w, True)
+
+    def _paused(self):
+        engine = self
+
+        class _Pause:
+            urls: list[str] = []
+
+            def __enter__(self_inner) -> list[str]:
+                engine._sync_lock.acquire()
+                engine._syncing.set()
+                try:
+                    self_inner.urls = engine._sync_targets()
+                    if not self_inner.urls:
+                        raise SGLangError("weight sync: no SGLang server is up")
+                    fan_out(engine.http, self_inner.urls, "/pause_generation", {"mode": engine.config.pause_mode})
+                except BaseException:
+                    engine._syncing.clear()
+                    engine._sync_lock.release()
+                    raise
+                return self_inner.urls
+
+            def __exit__(self_inner, *exc):
+                try:
+                    fan_out(engine.http, self_inner.urls, "/continue_generation", {})
+                finally:
+                    engine._syncing.clear()
+                    engine._sync_lock.release()
+
+        return _Pause()
+
+    def _drop_sender(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
+
+    # ----------------------------------------------------------------- health
+    def _suspect(self, worker: Worker) -> None:
+        """A request failed on ``worker`` (on any worker, behind a router): check it now."""
+        for w in self.workers if self.router_url else [worker]:
+            w.wake.set()
+
+    def _monitor_loop(self, w: Worker) -> None:
+        """One thread per worker: probe every ``health_interval_s`` (or when woken)."""
+        while not self._stop.is_set():
+            w.wake.wait(timeout=self.config.health_interval_s)
+            w.wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self._check(w)
+            except Exception:  # noqa: BLE001 - the monitor must survive to try again
+                log.exception("health check / restart of %s failed", w.url)
+
+    def _check(self, w: Worker) -> None:
+        """Dead (launched process gone) -> restart now; ``health_failures`` failed
+        ``/health_generate`` probes in a row (hung) -> restart; healthy -> mark up."""
+        dead = w.server is not None and not w.server.alive()
+        if not dead:
+            if self._syncing.is_set():
+                return  # generation is paused on purpose: a probe would time out
+            ok = healthy(self.http, w.url, self.config.health_timeout_s)
+            if self._syncing.is_set():
+                return
+            w.failures = 0 if ok else w.failures + 1
+            if ok or w.failures < self.config.health_failures:
+                self._set_up(w, (ok or w.up) and not w.stale)
+                return
+        self._set_up(w, False)
+        if w.server is not None:
+            self._restart(w)
+
+    def _restart(self, w: Worker) -> None:
+        """Relaunch ``w`` on its port from the newest checkpoint at the current version; if a
+        sync landed meanwhile, bring it to that version from disk; then put it back in service."""
+        log.warning("restarting SGLang server %s (pid %s)", w.url, w.server.pid)
+        path, version = self._disk
+        w.server.relaunch(path, str(version))
+        wait_ready(w.server, w.url, self.config.startup_timeout_s)
+        with self._sync_lock:
+            path, version = self._disk
+            if served_weight_version(self.http, w.url) != str(version):
+                update_from_disk(self.http, [w.url], path, str(version))
+            served = served_weight_version(self.http, w.url)
+            if served != str(version):
+                raise SGLangError(f"{w.url} restarted at weight version {served}, expected {version}")
+            self._drop_sender()  # the old group lost a rank; the next distributed sync rebuilds it
+            w.failures = 0
+            w.restarts += 1
+            with self._cond:
+                self.stats["restarts"] += 1
+            # weights pushed from tensors with no checkpoint on disk: out of rotation until a sync
+            w.stale = version != self._version
+            if w.stale:
+                log.warning("%s is back at version %s < %s: idle until the next weight sync",
+                            w.url, version, self._version)
+            self._set_up(w, not w.stale)
+
+    def _set_up(self, w: Worker, up: bool) -> None:
+        with self._cond:
+            w.up = up
+            self._cond.notify_all()

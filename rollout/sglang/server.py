@@ -1,0 +1,202 @@
+"""SGLang server (and sglang-router) subprocesses: launch, readiness, stop by process group.
+
+Each server runs ``python -m sglang.launch_server`` from the SGLang environment
+(``.venv-sglang``, built by ``scripts/setup_sglang.sh``) in its own session, so stopping it
+kills exactly its process group (scheduler and detokenizer children included) and nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# Flags that make SGLang 0.5.x serve on CPU (DESIGN.md "What runs where"); GPU runs drop them.
+CPU_SERVER_ARGS = ("--device", "cpu", "--dtype", "float32", "--sleep-on-idle", "--skip-server-warmup")
+CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+
+
+def sglang_python(python: str | None = None) -> str:
+    """The interpreter that has sglang: ``python`` if given, else $RLAKE_SGLANG_PYTHON, else
+    ``<repo>/.venv-sglang/bin/python``; a clear error if it does not exist."""
+    path = python or os.environ.get("RLAKE_SGLANG_PYTHON") or str(REPO_ROOT / ".venv-sglang/bin/python")
+    if not Path(path).exists():
+        raise FileNotFoundError(
+            f"SGLang python {path!r} not found: run scripts/setup_sglang.sh (or set rollout.sglang.python)"
+        )
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now on ``host`` (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerSpec:
+    """How to launch one SGLang server."""
+
+    model_path: str
+    port: int
+    host: str = "127.0.0.1"
+    python: str | None = None
+    weight_version: str = "0"
+    max_total_tokens: int = 65536
+    device: str = "cpu"
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    log_path: str | None = None
+
+    def command(self) -> list[str]:
+        """The ``sglang.launch_server`` command line."""
+        cmd = [
+            sglang_python(self.python), "-m", "sglang.launch_server",
+            "--model-path", self.model_path,
+            "--host", self.host, "--port", str(self.port),
+            "--max-total-tokens", str(self.max_total_tokens),
+            "--weight-version", self.weight_version,
+        ]
+        if self.device == "cpu":
+            cmd += list(CPU_SERVER_ARGS)
+        return cmd + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if Path(self.model_path).is_dir():
+            env.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint: never ask the Hub
+        if self.device == "cpu":
+            env.update(CPU_ENV)
+        env.update(self.env)
+        return env
+
+
+class ManagedProcess:
+    """A child process in its own session; ``stop`` signals its whole process group."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: str | None, name: str):
+        self.cmd, self.env, self.log_path, self.name = cmd, env, log_path, name
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(
+                self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        finally:
+            if log is not subprocess.DEVNULL:
+                log.close()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to this process's group (its pgid is its pid: it leads its session)."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the group (SIGCONT too, in case it was stopped), wait up to ``grace_s``,
+        then SIGKILL it; reap the child."""
+        if self.proc is None:
+            return
+        self.signal_group(signal.SIGTERM)
+        self.signal_group(signal.SIGCONT)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self.signal_group(signal.SIGKILL)  # children that outlived the leader
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def log_tail(self, n: int = 30) -> str:
+        if not self.log_path or not Path(self.log_path).exists():
+            return "(no log)"
+        lines = Path(self.log_path).read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+
+class SGLangServer(ManagedProcess):
+    """One SGLang server process launched from a ServerSpec."""
+
+    def __init__(self, spec: ServerSpec):
+        self.spec = spec
+        super().__init__(spec.command(), spec.environment(), spec.log_path, f"sglang:{spec.port}")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.spec.host}:{self.spec.port}"
+
+    def relaunch(self, model_path: str, weight_version: str) -> None:
+        """Stop, then start again on the same port from ``model_path`` as ``weight_version``."""
+        self.stop()
+        self.spec.model_path, self.spec.weight_version = model_path, weight_version
+        self.cmd = self.spec.command()
+        self.start()
+
+
+def wait_ready(proc: ManagedProcess, url: str, timeout_s: float, endpoint: str = "/health") -> None:
+    """Poll ``url+endpoint`` until HTTP 200; raise (with the log tail) if the process exits or
+    ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client() as client:
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited during start-up:\n{proc.log_tail()}")
+            try:
+                if client.get(f"{url}{endpoint}", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+    raise TimeoutError(f"{proc.name} not ready after {timeout_s:.0f} s:\n{proc.log_tail()}")
+
+
+def wait_router_workers(router: ManagedProcess, url: str, n_workers: int, timeout_s: float) -> None:
+    """Wait until the router lists ``n_workers`` healthy workers in ``GET /workers`` (it answers
+    before its workers are registered, and routes nothing until they are)."""
+    wait_ready(router, url, timeout_s, endpoint="/workers")
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client() as client:
+        while time.monotonic() < deadline:
+            try:
+                workers = client.get(f"{url}/workers", timeout=5).json().get("workers", [])
+                if sum(bool(w.get("is_healthy")) for w in workers) >= n_workers:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            if not router.alive():
+                raise RuntimeError(f"{router.name} exited:\n{router.log_tail()}")
+            time.sleep(0.5)
+    raise TimeoutError(f"{router.name}: {n_workers} healthy workers not registered after {timeout_s:.0f} s")
+
+
+def router_process(worker_urls: list[str], port: int, python: str | None = None,
+                   host: str = "127.0.0.1", log_path: str | None = None) -> ManagedProcess:
+    """An sglang-router (round robin) in front of ``worker_urls``; start it with ``.start()``."""
+    cmd = [
+        sglang_python(python), "-m", "sglang_router.launch_router",
+        "--host", host, "--port", str(port), "--policy", "round_robin",
+        "--worker-urls", *worker_urls,
+    ]
+    return ManagedProcess(cmd, dict(os.environ), log_path, f"sglang-router:{port}")

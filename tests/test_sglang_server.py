@@ -1,0 +1,175 @@
+"""Real SGLang servers (from .venv-sglang, built by scripts/setup_sglang.sh) on a tiny Qwen2.
+
+One engine with two servers is shared by the whole module (each server costs ~2 GB and
+20-80 s to start on these machines); the tests run in file order and the last one kills a
+server. Logprobs are checked against a fp32 HF forward recomputation (log_softmax(logits / T)).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from functools import cache
+
+import pytest
+import torch
+
+from rollout.engine import GenerationResult, RolloutEngine, SamplingParams
+from rollout.sglang import SGLangConfig, SGLangEngine
+from rollout.sglang.client import served_weight_version
+from rollout.sglang.tiny_model import build_tiny_qwen2
+
+pytestmark = pytest.mark.sglang
+torch.set_num_threads(1)
+TOL = 1e-4
+PROMPTS = [[3, 4, 12, 5, 13], [5, 5, 13], [2, 3, 4, 5, 6, 7], [9, 9, 12, 8, 13]]
+
+
+@cache
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def recompute(path: str, prompt: list[int], result: GenerationResult, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of the response tokens under the checkpoint at ``path``."""
+    ids = torch.tensor([prompt + result.token_ids])
+    with torch.no_grad():
+        logits = hf_model(path)(ids).logits[0, len(prompt) - 1 : -1] / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(result.token_ids)[:, None])[:, 0]
+
+
+def mismatch(path: str, prompts: list[list[int]], results: list[GenerationResult], temperature: float) -> float:
+    """Mean |rollout logprob - recomputed logprob| over all response tokens."""
+    diffs = [(recompute(path, p, r, temperature) - torch.tensor(r.logprobs)).abs()
+             for p, r in zip(prompts, results, strict=True)]
+    return float(torch.cat(diffs).mean())
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sglang-models")
+    return {name: str(build_tiny_qwen2(root / name, seed=seed)) for name, seed in (("a", 0), ("b", 1))}
+
+
+@pytest.fixture(scope="module")
+def engine(ckpts, tmp_path_factory):
+    cfg = SGLangConfig(
+        num_servers=2, concurrency=16, health_interval_s=1.0, health_timeout_s=10.0, health_failures=2,
+        log_dir=str(tmp_path_factory.mktemp("sglang-logs")),
+    )
+    eng = SGLangEngine(ckpts["a"], cfg, weight_version=0)
+    yield eng
+    eng.shutdown()
+
+
+def test_generation_matches_hf_logprobs(engine, ckpts):
+    assert isinstance(engine, RolloutEngine)
+    sampling = SamplingParams(max_new_tokens=12, temperature=0.7)
+    results = engine.generate(PROMPTS * 2, sampling)
+    assert len(results) == 8
+    for r in results:
+        assert 0 < len(r.token_ids) <= 12 and len(r.logprobs) == len(r.token_ids)
+        assert r.finish_reason in ("stop", "length")
+        assert (r.finish_reason == "stop") == (r.token_ids[-1] == 1)  # EOS id 1, kept in the response
+        assert r.meta["weight_version"] == "0"
+    assert {r.meta["server"] for r in results} == set(engine.urls)  # both servers used
+    assert mismatch(ckpts["a"], PROMPTS * 2, results, 0.7) < TOL
+    assert mismatch(ckpts["b"], PROMPTS * 2, results, 0.7) > 1e-2  # the check can tell models apart
+
+
+def test_disk_sync_then_outputs_follow_new_checkpoint(engine, ckpts):
+    engine.update_weights(ckpts["b"], 1)
+    assert engine.weight_version == 1
+    assert [served_weight_version(engine.http, u) for u in engine.urls] == ["1", "1"]
+    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0))
+    assert {r.meta["weight_version"] for r in results} == {"1"}
+    assert mismatch(ckpts["b"], PROMPTS, results, 1.0) < TOL
+
+
+def test_distributed_sync_then_outputs_follow_new_checkpoint(engine, ckpts):
+    engine.config.weight_sync = "distributed"
+    try:
+        engine.update_weights(ckpts["a"], 2)
+        assert engine.weight_version == 2
+        results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0))
+        assert {r.meta["weight_version"] for r in results} == {"2"}
+        assert mismatch(ckpts["a"], PROMPTS, results, 1.0) < TOL
+        # the trainer-side call: live parameters, the group reused for the next version
+        named = [(n, p.detach()) for n, p in hf_model(ckpts["b"]).named_parameters()]
+        engine.update_weights_from_tensors(named, 3, checkpoint_dir=ckpts["b"])
+        results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0))
+        assert {r.meta["weight_version"] for r in results} == {"3"}
+        assert mismatch(ckpts["b"], PROMPTS, results, 1.0) < TOL
+    finally:
+        engine.config.weight_sync = "disk"
+
+
+def test_sync_during_rollout_keeps_each_sample_on_one_version(engine, ckpts):
+    """pause_generation(abort) + re-issue: a batch in flight across a weight update completes,
+    and every sample's logprobs match the one checkpoint its weight version names."""
+    prompts = PROMPTS * 8
+    batch = engine.start(prompts, SamplingParams(max_new_tokens=24, temperature=1.0))
+    time.sleep(0.5)
+    engine.update_weights(ckpts["a"], 4)
+    results = batch.results()
+    assert all(r.finish_reason in ("stop", "length") for r in results)
+    by_version = {"3": ckpts["b"], "4": ckpts["a"]}
+    for p, r in zip(prompts, results, strict=True):
+        assert (recompute(by_version[r.meta["weight_version"]], p, r, 1.0) - torch.tensor(r.logprobs)).abs().mean() < TOL
+    assert any(r.meta["weight_version"] == "4" for r in results)
+
+
+def test_abort_surplus_requests(engine):
+    before = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4))
+    batch = engine.start(PROMPTS * 16, SamplingParams(max_new_tokens=64, temperature=1.0))
+    assert batch.abort() >= 0
+    results = batch.results()
+    assert len(results) == 64
+    aborted = [r for r in results if r.finish_reason == "abort"]
+    assert len(aborted) >= 64 - engine.config.concurrency  # never-sent requests come back aborted
+    assert all(len(r.logprobs) == len(r.token_ids) for r in results)
+    after = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4))  # the engine still serves
+    assert all(r.finish_reason != "abort" for r in before + after)
+
+
+def test_router_and_given_urls(engine, ckpts):
+    """A second engine connecting to the running servers by URL, through an sglang-router."""
+    cfg = SGLangConfig(urls=engine.urls, router=True, log_dir=engine.config.log_dir)
+    other = SGLangEngine(ckpts["a"], cfg, weight_version=4)
+    try:
+        results = other.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0))
+        assert {r.meta["server"] for r in results} == {other.router_url}
+        assert other.stats["request_failures"] == 0  # the router was ready when start-up returned
+        assert mismatch(ckpts["a"], PROMPTS, results, 1.0) < TOL
+    finally:
+        other.shutdown()
+    assert all(w.server.alive() for w in engine.workers)  # not ours to stop
+
+
+def test_dead_and_hung_servers_are_restarted_and_batch_completes(engine, ckpts):
+    """Mid-rollout, server 0 is killed (SIGKILL to its process group) and server 1 hangs
+    (SIGSTOP): the monitors restart both at the current weight version, the lost requests are
+    re-issued, and the batch completes with every sample."""
+    dead, hung = engine.workers
+    prompts = PROMPTS * 8
+    batch = engine.start(prompts, SamplingParams(max_new_tokens=32, temperature=1.0))
+    time.sleep(1.0)
+    os.killpg(dead.server.pid, signal.SIGKILL)
+    os.killpg(hung.server.pid, signal.SIGSTOP)
+    results = batch.results()
+    assert len(results) == len(prompts)
+    assert all(r.finish_reason in ("stop", "length") for r in results)
+    assert mismatch(ckpts["a"], prompts, results, 1.0) < TOL
+    deadline = time.monotonic() + engine.config.startup_timeout_s
+    while not all(w.restarts >= 1 and w.up for w in (dead, hung)):
+        assert time.monotonic() < deadline, "the monitors did not restart both servers"
+        time.sleep(1.0)
+    assert engine.stats["restarts"] >= 2 and engine.stats["reissued"] > 0
+    for w in (dead, hung):
+        assert w.server.alive() and served_weight_version(engine.http, w.url) == "4"
+    results = engine.generate(PROMPTS * 4, SamplingParams(max_new_tokens=8, temperature=1.0))
+    assert {r.meta["server"] for r in results} == {dead.url, hung.url}
+    assert mismatch(ckpts["a"], PROMPTS * 4, results, 1.0) < TOL

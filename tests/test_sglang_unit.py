@@ -1,0 +1,111 @@
+"""SGLang engine pieces that need no server: payloads, response parsing, buckets, config,
+and the pure-torch sgl_kernel stand-in installed into .venv-sglang."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout.engine import SamplingParams
+from rollout.sglang.client import SGLangError, generate_payload, parse_generate, sampling_payload
+from rollout.sglang.config import SGLangConfig, section
+from rollout.sglang.server import ServerSpec
+from rollout.sglang.weight_sync import buckets
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _standin():
+    spec = importlib.util.spec_from_file_location("sgl_kernel_standin", ROOT / "scripts/sglang_cpu/sgl_kernel.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sampling_payload_maps_names():
+    sp = SamplingParams(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=4, stop_token_ids=(1, 2), seed=3)
+    assert sampling_payload(sp) == {
+        "max_new_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 4,
+        "stop_token_ids": [1, 2], "sampling_seed": 3,
+    }
+    assert "stop_token_ids" not in sampling_payload(SamplingParams(max_new_tokens=1))
+    body = generate_payload([5, 6], SamplingParams(max_new_tokens=2), "r1")
+    assert body["input_ids"] == [5, 6] and body["return_logprob"] is True and body["rid"] == "r1"
+
+
+def test_parse_generate_maps_logprobs_and_finish_reason():
+    resp = {
+        "output_ids": [7, 1],
+        "meta_info": {
+            "finish_reason": {"type": "stop", "matched": 1},
+            "output_token_logprobs": [[-2.5, 7, None], [-0.25, 1, None]],
+            "weight_version": "3", "prompt_tokens": 5,
+        },
+    }
+    r = parse_generate(resp)
+    assert r.token_ids == [7, 1] and r.logprobs == [-2.5, -0.25] and r.finish_reason == "stop"
+    assert r.meta["weight_version"] == "3"
+    resp["meta_info"]["finish_reason"] = {"type": "length", "length": 2}
+    assert parse_generate(resp).finish_reason == "length"
+    resp["meta_info"]["finish_reason"] = {"type": "abort", "message": "x"}
+    assert parse_generate(resp).finish_reason == "abort"
+    resp["output_ids"] = [7, 2]
+    with pytest.raises(SGLangError, match="disagree"):
+        parse_generate(resp)
+
+
+def test_buckets_keep_order_and_bound_size():
+    named = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5])]  # 4-byte floats
+    got = [[name for name, _ in b] for b in buckets(named, bucket_bytes=80)]
+    assert got == [["t0", "t1"], ["t2"], ["t3", "t4"]]
+
+
+def test_config_from_mapping_and_sections():
+    assert section({"rollout": {"engine": "sglang", "sglang": {"num_servers": 2}}}) == {"num_servers": 2}
+    assert SGLangConfig.from_mapping({"num_servers": 2, "router": True}).num_servers == 2
+    with pytest.raises(ValueError, match="unknown key"):
+        SGLangConfig.from_mapping({"num_server": 2})
+    with pytest.raises(ValueError, match="weight_sync"):
+        SGLangConfig(weight_sync="nfs")
+
+
+def test_server_command_has_cpu_flags(tmp_path):
+    fake_python = tmp_path / "python"
+    fake_python.write_text("")
+    cmd = ServerSpec(model_path="/m", port=1234, python=str(fake_python), weight_version="7").command()
+    assert cmd[:3] == [str(fake_python), "-m", "sglang.launch_server"]
+    for flag in ("--device", "cpu", "--dtype", "float32", "--sleep-on-idle", "--skip-server-warmup"):
+        assert flag in cmd
+    assert cmd[cmd.index("--weight-version") + 1] == "7"
+    with pytest.raises(FileNotFoundError, match="setup_sglang.sh"):
+        ServerSpec(model_path="/m", port=1, python=str(tmp_path / "missing")).command()
+
+
+def test_standin_assign_req_to_token_pool():
+    k = _standin()
+    table = torch.zeros(4, 10, dtype=torch.int32)
+    locs = torch.arange(100, 107, dtype=torch.int64)
+    k.assign_req_to_token_pool_cpu(
+        torch.tensor([2, 0]), table, torch.tensor([1, 5]), torch.tensor([4, 9]), locs, table.shape[1])
+    assert table[2, 1:4].tolist() == [100, 101, 102]
+    assert table[0, 5:9].tolist() == [103, 104, 105, 106]
+    assert int(table.sum()) == sum(range(100, 107))
+
+
+def test_standin_copy_all_layer_kv_cache_moves_slots_in_every_buffer():
+    k = _standin()
+    bufs = [torch.arange(40, dtype=torch.float32).reshape(10, 4) + 1000 * i for i in range(3)]
+    ref = [b.clone() for b in bufs]
+    src, tgt = torch.tensor([1, 2, 3]), torch.tensor([2, 3, 7])  # overlapping move
+    ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    strides = torch.tensor([b.stride(0) * b.element_size() for b in bufs], dtype=torch.int64)
+    k.copy_all_layer_kv_cache_cpu(ptrs, strides, tgt, src)
+    for b, r in zip(bufs, ref, strict=True):
+        r[tgt] = r[src].clone()
+        assert torch.equal(b, r)
+    with pytest.raises(NotImplementedError, match="no CPU stand-in"):
+        k.some_cuda_only_kernel()
