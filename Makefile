@@ -4,7 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup quickstart test lint bench clean
+SGLANG_STAMP := .venv-sglang/.installed
+
+.PHONY: setup setup-sglang quickstart test lint bench clean
 
 $(STAMP): requirements/base.txt requirements/lock.txt pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "error: $(PY) not found (rlake needs Python 3.11)"; exit 1; }
@@ -16,10 +18,17 @@ $(STAMP): requirements/base.txt requirements/lock.txt pyproject.toml
 
 setup: $(STAMP)
 
+# SGLang's CPU environment, separate from .venv (it pins another torch): docs/sglang.md
+$(SGLANG_STAMP): scripts/setup_sglang.sh scripts/sglang-cpu-requirements.txt scripts/sglang-cpu-lock.txt
+	bash scripts/setup_sglang.sh
+	touch $(SGLANG_STAMP)
+
+setup-sglang: $(SGLANG_STAMP)
+
 quickstart: $(STAMP)
 	$(BIN)/rlake run configs/quickstart.yaml
 
-test: $(STAMP)
+test: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

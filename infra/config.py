@@ -67,6 +67,8 @@ def _check_function(key: str, path: str | None) -> str | None:
 
 class RolloutConfig(_Section):
     engine: Literal["torch", "sglang"] = "torch"
+    sglang: dict[str, Any] = Field(default_factory=dict,
+                                   description="SGLang engine settings (docs/sglang.md)")
     rollout_batch_size: int = Field(32, ge=1, description="prompts (groups) trained on per iteration")
     n_samples_per_prompt: int = Field(8, ge=1)
     rollout_max_response_len: int = Field(6, ge=1)
@@ -106,6 +108,10 @@ class RolloutConfig(_Section):
         if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < self.rollout_batch_size:
             raise ValueError(f"over_sampling_batch_size ({self.over_sampling_batch_size}) must be >= "
                              f"rollout_batch_size ({self.rollout_batch_size})")
+        if self.engine == "sglang" or self.sglang:
+            from rollout.sglang.config import SGLangConfig
+
+            SGLangConfig.from_mapping(self.sglang)  # names any unknown or bad rollout.sglang key
         return self
 
 
@@ -228,7 +234,8 @@ def _format_error(err: ValidationError) -> str:
     if first["type"] == "extra_forbidden":
         return f"unknown config key '{key}'"
     msg = first["msg"].removeprefix("Value error, ")
-    return f"bad config value for '{key}': {msg} (got {first.get('input')!r})"
+    got = first.get("input")
+    return f"bad config value for '{key}': {msg}" + ("" if isinstance(got, dict) else f" (got {got!r})")
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
