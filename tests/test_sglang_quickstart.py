@@ -8,7 +8,7 @@ import pytest
 from buffer import Lake
 
 pytestmark = pytest.mark.sglang
-ITERATIONS = 12
+ITERATIONS = 20
 
 
 def test_sglang_engine_learns_the_quickstart_task(tmp_path, cli, warm_model):
@@ -16,7 +16,7 @@ def test_sglang_engine_learns_the_quickstart_task(tmp_path, cli, warm_model):
          "--set", f"model.path={warm_model['checkpoint']}", "--set", "sft.enabled=false",
          "--set", "rollout.engine=sglang", "--set", "rollout.sglang.num_servers=1",
          "--set", f"num_rollout={ITERATIONS}", "--set", f"eval.eval_interval={ITERATIONS}",
-         "--set", "trainer.lr=0.0005"], env={"PREFECT_HOME": str(tmp_path / "prefect")})
+         ], env={"PREFECT_HOME": str(tmp_path / "prefect")})
     lake = Lake(str(tmp_path / "lake"))
     evals = sorted((e["weight_version"], e["value"]) for e in lake.read("evals", run_id="sglang").to_pylist()
                    if e["metric"] == "accuracy")
