@@ -225,3 +225,28 @@ def test_save_load_round_trip_with_critic(model_dir, tmp_path):
     for name, model_a, model_b in (("policy", tr.model, other.model), ("critic", tr.critic, other.critic)):
         for k, v in params(model_a).items():
             torch.testing.assert_close(params(model_b)[k], v, atol=0, rtol=0, msg=f"{name} {k}")
+
+
+def test_trainer_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="tis_clip_low"):
+        config_from_dict({"trainer": {"tis_clip_low": 3.0, "tis_clip": 2.0}})
+    with pytest.raises(ConfigError, match="trainer.eps_clip_c"):
+        config_from_dict({"trainer": {"eps_clip_c": 0.5}})
+    with pytest.raises(ConfigError, match="trainer.advantage_estimator"):
+        config_from_dict({"trainer": {"advantage_estimator": "dpo"}})
+
+
+def test_gspo_equals_grpo_on_policy_but_not_off_policy(model_dir):
+    """With one optimizer step per rollout the ratio is 1 and, with sample_mean, the GSPO
+    gradient A_i * mean_t grad lp equals GRPO's; with several steps the ratios differ."""
+    batch = make_batch(REWARDS, seed=13)
+    one = {"global_batch_size": 8, "micro_batch_size": 8}
+    a, b = trainer(model_dir, 4, **one), trainer(model_dir, 4, advantage_estimator="gspo", **one)
+    a.train(batch)
+    b.train(batch)
+    for k, v in params(a.model).items():
+        torch.testing.assert_close(params(b.model)[k], v, atol=1e-6, rtol=0)
+    two = {"global_batch_size": 4, "micro_batch_size": 4, "lr": 3e-2, "eps_clip": 0.01}
+    a, b = trainer(model_dir, 4, **two), trainer(model_dir, 4, advantage_estimator="gspo", **two)
+    ma, mb = a.train(batch), b.train(batch)
+    assert ma["pg_loss"] != pytest.approx(mb["pg_loss"], abs=1e-6)
