@@ -116,11 +116,18 @@ class RolloutConfig(_Section):
 
 
 class TrainerConfig(_Section):
+    """The trainer: slime's flag names (snake_case). Formulas: docs/algorithms.md."""
+
     backend: Literal["torch", "megatron"] = "torch"
-    loss_type: Literal["policy_loss", "sft"] = "policy_loss"
+    loss_type: Literal["policy_loss", "sft"] = Field(
+        "policy_loss", description="sft: train the RL loop with SFT loss on rollout responses")
+    sft_min_reward: float | None = Field(
+        None, description="loss_type sft only: train only on samples with reward >= this "
+                          "(rejection sampling); None trains on every sample")
     advantage_estimator: Literal["grpo", "gspo", "reinforce_plus_plus",
                                  "reinforce_plus_plus_baseline", "ppo"] = "grpo"
     lr: float = Field(1e-3, gt=0)
+    critic_lr: float | None = Field(None, gt=0, description="ppo critic lr; None = lr")
     weight_decay: float = Field(0.0, ge=0)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
@@ -128,22 +135,26 @@ class TrainerConfig(_Section):
     micro_batch_size: int = Field(256, ge=1, description="samples per forward/backward")
     clip_grad: float = Field(1.0, gt=0)
     eps_clip: float = Field(0.2, gt=0)
-    eps_clip_high: float | None = None
+    eps_clip_high: float | None = Field(None, gt=0)
     eps_clip_c: float | None = Field(None, gt=1)
     entropy_coef: float = 0.0
     use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
+    kl_loss_coef: float = Field(0.0, ge=0)
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
-    kl_coef: float = 0.0
-    normalize_advantages: bool = False
+    kl_coef: float = Field(0.0, ge=0, description="KL in the reward (ppo, reinforce_plus_plus*)")
+    ref_load: str | None = Field(
+        None, description="HF folder of the frozen reference; None = the weights at version 0")
+    normalize_advantages: bool | None = Field(
+        None, description="whiten advantages; None = the estimator's default "
+                          "(on for reinforce_plus_plus*, off otherwise)")
     disable_grpo_std_normalization: bool = False
     use_tis: bool = False
-    tis_clip: float = 2.0
-    tis_clip_low: float = 0.0
+    tis_clip: float = Field(2.0, gt=0)
+    tis_clip_low: float = Field(0.0, ge=0)
     loss_aggregation: Literal["sample_mean", "token_mean"] = "sample_mean"
-    gamma: float = 1.0
-    lambd: float = 1.0
-    value_clip: float = 0.2
+    gamma: float = Field(1.0, ge=0, le=1)
+    lambd: float = Field(1.0, ge=0, le=1)
+    value_clip: float = Field(0.2, gt=0)
     max_staleness: int = Field(0, ge=0, description="k: train on samples with version >= v - k")
     tensor_model_parallel_size: int = Field(1, ge=1)
     pipeline_model_parallel_size: int = Field(1, ge=1)
@@ -153,6 +164,9 @@ class TrainerConfig(_Section):
         if self.use_kl_loss and self.kl_coef > 0:
             raise ValueError("use_kl_loss and kl_coef > 0 both put KL in: choose one "
                              "(KL in the loss or in the reward, not both)")
+        if self.tis_clip_low > self.tis_clip:
+            raise ValueError(f"tis_clip_low ({self.tis_clip_low}) must be <= tis_clip "
+                             f"({self.tis_clip})")
         return self
 
 

@@ -73,9 +73,15 @@ class Runtime:
         """Keep the newest ``keep_checkpoints`` versions (and always ``keep_version``)."""
         versions = sorted(int(p.name[1:]) for p in self.checkpoint_root.glob("v[0-9]*")
                           if p.is_dir() and not p.name.endswith(".tmp"))
+        keep = {keep_version, 0} if self.trainer_needs_v0 else {keep_version}
         for v in versions[:-self.cfg.keep_checkpoints]:
-            if v != keep_version:
+            if v not in keep:
                 shutil.rmtree(self.checkpoint_dir(v), ignore_errors=True)
+
+    @property
+    def trainer_needs_v0(self) -> bool:
+        """Checkpoint v0 is the frozen KL reference (trainers/reference.py): never prune it."""
+        return bool(getattr(self.trainer, "uses_reference", False))
 
     def latest_checkpoint(self) -> int | None:
         versions = [int(p.name[1:]) for p in self.checkpoint_root.glob("v[0-9]*")
@@ -103,7 +109,8 @@ def _make_engine(cfg: RunConfig, model_dir: Path, tokenizer, version: int) -> Ro
     return SGLangEngine.from_config(cfg, str(model_dir), weight_version=version)
 
 
-def _make_trainer(cfg: RunConfig, model_dir: Path, tokenizer, version: int):
+def _make_trainer(cfg: RunConfig, model_dir: Path, tokenizer, version: int,
+                  reference_dir: Path | None = None):
     if cfg.trainer.backend == "megatron":
         from trainers.megatron.launch import make_megatron_trainer
 
@@ -113,7 +120,8 @@ def _make_trainer(cfg: RunConfig, model_dir: Path, tokenizer, version: int):
                                      weight_version=version, pad_token_id=tokenizer.pad_token_id)
     return TorchTrainer(str(model_dir), cfg.trainer, cfg.rollout.n_samples_per_prompt,
                         cfg.rollout.rollout_temperature, weight_version=version,
-                        pad_token_id=tokenizer.pad_token_id)
+                        pad_token_id=tokenizer.pad_token_id,
+                        reference_dir=str(reference_dir) if reference_dir else None)
 
 
 def _task_data(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, list[dict]]:
@@ -151,7 +159,8 @@ def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False
             model_dir = rt.checkpoint_dir(start_version)
         rt.mlflow_run_id = row.get("mlflow_run_id")
     rt.start_iteration = start_iteration
-    rt.trainer = _make_trainer(cfg, model_dir, tokenizer, start_version)
+    rt.trainer = _make_trainer(cfg, model_dir, tokenizer, start_version,
+                               reference_dir=rt.checkpoint_dir(0))
     if model_dir != base:
         rt.trainer.load(str(model_dir))
     rt.engine = _make_engine(cfg, model_dir, tokenizer, start_version)

@@ -1,15 +1,18 @@
 """The embedded trainer: an HF causal LM trained with torch AdamW on CPU (or one GPU).
 
-One ``train`` call consumes one rollout batch: old log-probs are computed first (slime's
-"log-prob time"), advantages from the rewards, then ``len(batch) / global_batch_size`` optimizer
-steps, each accumulating gradients over micro-batches.
+One ``train`` call consumes one rollout batch: old log-probs (and the reference's log-probs
+and the critic's values, when configured) are computed first (slime's "log-prob time"), then
+advantages with ``algorithms.compute_advantages``, then ``ceil(len(batch) / global_batch_size)``
+optimizer steps, each accumulating gradients over micro-batches. The loss terms are in
+``trainers.losses``, the critic in ``trainers.critic``, the reference in ``trainers.reference``;
+formulas and choices: docs/algorithms.md.
 """
 
 from __future__ import annotations
 
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +21,18 @@ import torch
 from infra.config import TrainerConfig
 from infra.modeling import load_model
 from trainers import algorithms as alg
+from trainers import losses
 from trainers.base import TrainBatch
+from trainers.critic import (
+    CRITIC_FILE,
+    ValueModel,
+    load_critic,
+    make_critic_optimizer,
+    response_values,
+    save_critic,
+)
+from trainers.losses import micro_weight
+from trainers.reference import load_reference, needs_reference
 
 STATE_FILE = "trainer_state.pt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -34,12 +48,13 @@ class PaddedBatch:
     response_index: torch.Tensor   # [B, T] position in logits predicting response token t
     response_ids: torch.Tensor     # [B, T]
     mask: torch.Tensor             # [B, T] float, 1 on trained response tokens
-    rollout_logprobs: torch.Tensor  # [B, T]
+    rollout_logprobs: torch.Tensor  # [B, T] (0 where the engine reported none)
+    has_rollout_logprobs: torch.Tensor  # [B] float, 1 where the engine reported log-probs
 
     def select(self, idx: torch.Tensor) -> PaddedBatch:
         return PaddedBatch(*(t[idx] for t in (self.input_ids, self.attention_mask,
                                               self.response_index, self.response_ids, self.mask,
-                                              self.rollout_logprobs)))
+                                              self.rollout_logprobs, self.has_rollout_logprobs)))
 
 
 def pad_batch(batch: TrainBatch, pad_id: int) -> PaddedBatch:
@@ -53,6 +68,7 @@ def pad_batch(batch: TrainBatch, pad_id: int) -> PaddedBatch:
     response_ids = torch.zeros((n, resp_width), dtype=torch.long)
     mask = torch.zeros((n, resp_width))
     rollout_lp = torch.zeros((n, resp_width))
+    has_lp = torch.zeros(n)
     for i, (prompt, resp) in enumerate(zip(batch.prompt_token_ids, batch.response_token_ids, strict=True)):
         seq = prompt + resp
         input_ids[i, :len(seq)] = torch.tensor(seq)
@@ -66,22 +82,28 @@ def pad_batch(batch: TrainBatch, pad_id: int) -> PaddedBatch:
                                    dtype=torch.float32)
         lps = batch.rollout_logprobs[i]
         if lps:
-            rollout_lp[i, :r] = torch.tensor(lps[:r], dtype=torch.float32)
-    return PaddedBatch(input_ids, attention_mask, response_index, response_ids, mask, rollout_lp)
+            rollout_lp[i, :min(r, len(lps))] = torch.tensor(lps[:r], dtype=torch.float32)
+            has_lp[i] = 1.0
+    return PaddedBatch(input_ids, attention_mask, response_index, response_ids, mask, rollout_lp,
+                       has_lp)
 
 
 def response_logprobs(model: torch.nn.Module, pb: PaddedBatch, temperature: float = 1.0,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      with_entropy: bool = False,
+                      entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(y_t | x, y_<t) for every response token: log_softmax(logits / T) gathered at y_t.
 
-    Returns ([B, T] log-probs, [B, T] entropy or None).
+    Returns ([B, T] log-probs, [B, T] entropy or None); the entropy is detached unless
+    ``entropy_grad`` (it only needs a gradient when entropy_coef != 0).
     """
     logits = model(input_ids=pb.input_ids, attention_mask=pb.attention_mask).logits
     idx = pb.response_index[..., None].expand(-1, -1, logits.shape[-1])
     resp_logits = logits.gather(1, idx) / temperature
     logp = torch.log_softmax(resp_logits.float(), dim=-1)
     token_logp = logp.gather(-1, pb.response_ids[..., None]).squeeze(-1)
-    entropy = alg.entropy_from_logits(resp_logits) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        entropy = alg.entropy_from_logits(resp_logits if entropy_grad else resp_logits.detach())
     return token_logp, entropy
 
 
@@ -92,18 +114,28 @@ def seed_everything(seed: int) -> None:
 
 
 class TorchTrainer:
-    """Policy (HF model) + AdamW. ``weight_version`` counts completed ``train`` calls."""
+    """Policy (HF model) + AdamW; a critic (ppo) and a frozen reference (KL) when configured.
+
+    ``weight_version`` counts completed ``train`` calls. ``reference_dir`` is where the frozen
+    reference comes from when KL is used (default: ``model_dir``, the initial weights); the
+    runtime passes checkpoint v0 (the SFT warm-up's output). ``trainer.ref_load`` overrides both.
+    """
 
     def __init__(self, model_dir: str, cfg: TrainerConfig, n_samples_per_prompt: int,
-                 rollout_temperature: float = 1.0, weight_version: int = 0, pad_token_id: int = 0):
+                 rollout_temperature: float = 1.0, weight_version: int = 0, pad_token_id: int = 0,
+                 reference_dir: str | None = None):
         self.cfg = cfg
         self.model_dir = model_dir
+        self.reference_dir = cfg.ref_load or reference_dir or model_dir
         self.n_samples_per_prompt = n_samples_per_prompt
         self.temperature = rollout_temperature
         self.pad_token_id = pad_token_id
         self.model = load_model(model_dir).train()
         self.weight_version = weight_version
         self.optimizer = self._make_optimizer(cfg.lr)
+        self.critic: ValueModel | None = None
+        self.critic_optimizer: torch.optim.Optimizer | None = None
+        self._reference: torch.nn.Module | None = None
 
     def _make_optimizer(self, lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=self.cfg.weight_decay,
@@ -112,63 +144,150 @@ class TorchTrainer:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
+    # ---- the optional models ----
+    @property
+    def uses_critic(self) -> bool:
+        return self.cfg.loss_type == "policy_loss" and self.cfg.advantage_estimator == "ppo"
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.cfg.loss_type == "policy_loss" and needs_reference(
+            self.cfg.use_kl_loss, self.cfg.kl_coef, self.cfg.advantage_estimator)
+
+    def reference(self) -> torch.nn.Module:
+        """The frozen reference, loaded from ``reference_dir`` on first use."""
+        if self._reference is None:
+            self._reference = load_reference(self.reference_dir)
+        return self._reference
+
+    def _critic_betas(self) -> tuple[float, float]:
+        return (self.cfg.adam_beta1, self.cfg.adam_beta2)
+
+    def _ensure_critic(self) -> ValueModel:
+        """The critic; created from the current policy (normally version 0) on first use."""
+        if self.critic is None:
+            self.critic = ValueModel.from_policy(self.model)
+            self.critic_optimizer = make_critic_optimizer(
+                self.critic, self.cfg.critic_lr or self.cfg.lr, self.cfg.weight_decay,
+                self._critic_betas())
+        return self.critic
+
     # ---- RL ----
     def train(self, batch: TrainBatch) -> dict[str, float]:
+        """One rollout batch: old log-probs (and reference log-probs, values) first, then
+        advantages, then ceil(len(batch) / global_batch_size) optimizer steps over consecutive
+        slices, each accumulating gradients over micro-batches of ``micro_batch_size``.
+        ``loss_type: sft`` trains the SFT loss on the response tokens instead."""
         cfg = self.cfg
         pb = pad_batch(batch, self.pad_token_id)
         rewards = torch.tensor(batch.rewards, dtype=torch.float32)
-        with torch.no_grad():
-            old_logp, _ = response_logprobs(self.model, pb, self.temperature)
-        advantages = self._advantages(rewards, pb.mask)
-        n = len(batch)
+        if cfg.use_tis and cfg.loss_type == "policy_loss":
+            _check_rollout_logprobs(batch)
+        prep = self._prepare_sft(pb, rewards) if cfg.loss_type == "sft" else self._prepare(pb, rewards)
+        metrics = self._optimize(pb, prep)
+        self.weight_version += 1
+        metrics.update(prep.stats)
+        return metrics
+
+    def _prepare(self, pb: PaddedBatch, rewards: torch.Tensor) -> Prepared:
+        """Everything fixed during the optimizer steps: lp_old, lp_ref, V_old, A, returns."""
+        cfg = self.cfg
+        micro = cfg.micro_batch_size
+        old_logp = _no_grad_chunks(lambda b: response_logprobs(self.model, b, self.temperature)[0],
+                                   pb, micro)
+        ref_logp = values = kl = None
+        if self.uses_reference:
+            ref = self.reference()
+            ref_logp = _no_grad_chunks(lambda b: response_logprobs(ref, b, self.temperature)[0],
+                                       pb, micro)
+            if cfg.kl_coef > 0:
+                kl = alg.compute_approx_kl(old_logp, ref_logp, cfg.kl_loss_type)
+        if self.uses_critic:
+            critic = self._ensure_critic()
+            values = _no_grad_chunks(lambda b: response_values(
+                critic, b.input_ids, b.attention_mask, b.response_index), pb, micro)
+        advantages, returns = alg.compute_advantages(
+            cfg.advantage_estimator, rewards, pb.mask, self.n_samples_per_prompt, kl=kl,
+            values=values, kl_coef=cfg.kl_coef, gamma=cfg.gamma, lambd=cfg.lambd,
+            normalize_std=not cfg.disable_grpo_std_normalization,
+            normalize_advantages=cfg.normalize_advantages)
+        stats = {**_masked_stats("advantage", advantages, pb.mask),
+                 **_masked_stats("return", returns, pb.mask),
+                 "train_rollout_logprob_abs_diff": _masked_abs_diff(
+                     old_logp, pb.rollout_logprobs, pb.mask * pb.has_rollout_logprobs[:, None])}
+        if values is not None:
+            stats.update(_masked_stats("value", values, pb.mask))
+        if kl is not None:
+            stats["reward_kl"] = float(alg.masked_mean(kl, pb.mask))
+        return Prepared(pb.mask, old_logp, advantages, returns, ref_logp, values, stats)
+
+    def _prepare_sft(self, pb: PaddedBatch, rewards: torch.Tensor) -> Prepared:
+        """SFT on the rollout responses; with ``sft_min_reward`` only samples whose reward
+        reaches it keep their mask (rejection sampling)."""
+        mask = pb.mask
+        if self.cfg.sft_min_reward is not None:
+            mask = mask * (rewards >= self.cfg.sft_min_reward).to(mask.dtype)[:, None]
+        kept = float((mask.sum(dim=-1) > 0).sum())
+        return Prepared(mask, stats={"sft_samples": kept})
+
+    def _optimize(self, pb: PaddedBatch, prep: Prepared) -> dict[str, float]:
+        cfg = self.cfg
+        n = len(pb.mask)
         step_size = min(cfg.global_batch_size, n)
         micro = min(cfg.micro_batch_size, step_size)
         totals: dict[str, float] = {}
         steps = 0
-        for start in range(0, n - step_size + 1, step_size):
+        for start in range(0, n, step_size):
+            step_idx = torch.arange(start, min(start + step_size, n))
+            step_mask = prep.mask[step_idx]
             self.optimizer.zero_grad(set_to_none=True)
-            step_idx = torch.arange(start, start + step_size)
-            for m0 in range(0, step_size, micro):
-                idx = step_idx[m0:m0 + micro]
-                loss, terms = self._policy_loss(pb.select(idx), old_logp[idx], advantages[idx])
-                (loss * len(idx) / step_size).backward()
+            if self.critic_optimizer is not None:
+                self.critic_optimizer.zero_grad(set_to_none=True)
+            for m0 in range(0, len(step_idx), micro):
+                local = torch.arange(m0, min(m0 + micro, len(step_idx)))
+                idx = step_idx[local]
+                terms = self._micro_step(pb.select(idx), prep, idx,
+                                         micro_weight(cfg.loss_aggregation, step_mask, local),
+                                         micro_weight("token_mean", step_mask, local))
                 for k, v in terms.items():
-                    totals[k] = totals.get(k, 0.0) + v * len(idx) / step_size
+                    totals[k] = totals.get(k, 0.0) + v
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad)
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(grad_norm)
             self.optimizer.step()
+            if self.uses_critic:
+                critic_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.clip_grad)
+                totals["value_grad_norm"] = totals.get("value_grad_norm", 0.0) + float(critic_norm)
+                self.critic_optimizer.step()
             steps += 1
-        self.weight_version += 1
-        metrics = {k: v / steps for k, v in totals.items()}
-        masked_adv = advantages[pb.mask > 0]
-        metrics.update(
-            lr=cfg.lr, optimizer_steps=float(steps),
-            advantage_mean=float(masked_adv.mean()) if masked_adv.numel() else 0.0,
-            advantage_std=float(masked_adv.std()) if masked_adv.numel() > 1 else 0.0,
-            train_rollout_logprob_abs_diff=_masked_abs_diff(old_logp, pb.rollout_logprobs, pb.mask))
+        metrics = {k: v / max(steps, 1) for k, v in totals.items()}
+        metrics.update(lr=self.optimizer.param_groups[0]["lr"], optimizer_steps=float(steps))
         return metrics
 
-    def _advantages(self, rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        adv = alg.grpo_advantages(rewards, self.n_samples_per_prompt,
-                                  normalize_std=not self.cfg.disable_grpo_std_normalization)
-        return adv[:, None] * mask
-
-    def _policy_loss(self, pb: PaddedBatch, old_logp: torch.Tensor,
-                     advantages: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def _micro_step(self, mb: PaddedBatch, prep: Prepared, idx: torch.Tensor, weight: float,
+                    token_weight: float) -> dict[str, float]:
+        """Forward + backward of one micro-batch, its loss scaled by its share of the step;
+        returns its metrics times that share (their sum over micro-batches = the step's)."""
         cfg = self.cfg
-        logp, entropy = response_logprobs(self.model, pb, self.temperature,
-                                          with_entropy=True)
-        pg, clipped = alg.compute_policy_loss(logp, old_logp, advantages, cfg.eps_clip,
-                                              cfg.eps_clip_high, cfg.eps_clip_c)
-        agg = cfg.loss_aggregation
-        pg_loss = alg.aggregate_loss(pg, pb.mask, agg)
-        entropy_loss = alg.aggregate_loss(entropy, pb.mask, agg)
-        loss = pg_loss - cfg.entropy_coef * entropy_loss
-        with torch.no_grad():
-            ppo_kl = alg.aggregate_loss(old_logp - logp, pb.mask, agg)
-            clipfrac = alg.aggregate_loss(clipped, pb.mask, agg)
-        return loss, {"pg_loss": float(pg_loss), "pg_clipfrac": float(clipfrac),
-                      "ppo_kl": float(ppo_kl), "entropy_loss": float(entropy_loss)}
+        mask = prep.mask[idx]
+        if cfg.loss_type == "sft":
+            logp, _ = response_logprobs(self.model, mb, self.temperature)
+            loss, terms = losses.sft_loss(cfg, logp, mask)
+        else:
+            logp, entropy = response_logprobs(self.model, mb, self.temperature, with_entropy=True,
+                                              entropy_grad=cfg.entropy_coef != 0)
+            loss, terms = losses.policy_loss(
+                cfg, logp, entropy, prep.old_logp[idx], prep.advantages[idx], mask,
+                ref_logp=None if prep.ref_logp is None else prep.ref_logp[idx],
+                rollout_logp=mb.rollout_logprobs)
+        (loss * weight).backward()
+        out = {k: float(v) * weight for k, v in terms.items()}
+        if self.uses_critic:
+            values = response_values(self.critic, mb.input_ids, mb.attention_mask, mb.response_index)
+            vloss, vterms = losses.value_loss(cfg, values, prep.old_values[idx],
+                                              prep.returns[idx], mask)
+            (vloss * token_weight).backward()
+            out.update({k: float(v) * token_weight for k, v in vterms.items()})
+        return out
 
     # ---- SFT ----
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
@@ -176,11 +295,11 @@ class TorchTrainer:
         pb = pad_batch(batch, self.pad_token_id)
         self.optimizer.zero_grad(set_to_none=True)
         logp, _ = response_logprobs(self.model, pb)
-        loss = -alg.aggregate_loss(logp, pb.mask, "token_mean")
+        loss = alg.sft_loss(logp, pb.mask, "token_mean")
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
         self.optimizer.step()
-        return {"sft_loss": loss.item(), "grad_norm": float(grad_norm)}
+        return {"sft_loss": float(loss.detach()), "grad_norm": float(grad_norm)}
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -188,8 +307,9 @@ class TorchTrainer:
 
     # ---- checkpoints ----
     def save(self, checkpoint_dir: str) -> None:
-        """HF checkpoint (+ tokenizer files) and trainer_state.pt, written to a temp folder and
-        renamed into place, so a crash never leaves a half-written version."""
+        """HF checkpoint (+ tokenizer files), trainer_state.pt, and critic.pt (ppo: the critic
+        and its optimizer), written to a temp folder and renamed into place, so a crash never
+        leaves a half-written version. The reference is not saved: it is re-loaded."""
         final = Path(checkpoint_dir)
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -201,6 +321,8 @@ class TorchTrainer:
         torch.save({"optimizer": self.optimizer.state_dict(), "weight_version": self.weight_version,
                     "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
                     "numpy_rng": np.random.get_state()}, tmp / STATE_FILE)
+        if self.critic is not None:
+            save_critic(tmp / CRITIC_FILE, self.critic, self.critic_optimizer)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
 
@@ -216,6 +338,51 @@ class TorchTrainer:
             torch.set_rng_state(state["torch_rng"])
             random.setstate(state["python_rng"])
             np.random.set_state(state["numpy_rng"])
+        critic_path = Path(checkpoint_dir) / CRITIC_FILE
+        if critic_path.exists():
+            self.critic, self.critic_optimizer = load_critic(
+                critic_path, self.model.config, self.cfg.critic_lr or self.cfg.lr,
+                self.cfg.weight_decay, self._critic_betas())
+        else:
+            self.critic = self.critic_optimizer = None
+
+
+@dataclass
+class Prepared:
+    """Per-token tensors [B, T] fixed for one ``train`` call (aligned with the PaddedBatch)."""
+
+    mask: torch.Tensor
+    old_logp: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def _no_grad_chunks(fn, pb: PaddedBatch, chunk: int) -> torch.Tensor:
+    """fn over row chunks of ``pb`` without gradients, concatenated along rows."""
+    n = len(pb.mask)
+    with torch.no_grad():
+        return torch.cat([fn(pb.select(torch.arange(s, min(s + chunk, n))))
+                          for s in range(0, n, chunk)])
+
+
+def _check_rollout_logprobs(batch: TrainBatch) -> None:
+    for uid, resp, lps in zip(batch.sample_uids, batch.response_token_ids,
+                              batch.rollout_logprobs, strict=True):
+        if resp and len(lps or []) < len(resp):
+            raise ValueError(f"trainer.use_tis: sample {uid} has {len(lps or [])} rollout "
+                             f"log-probs for {len(resp)} response tokens")
+
+
+def _masked_stats(name: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """{name}_mean/std/min/max over masked tokens (0 when there are none)."""
+    v = x[mask > 0].double()
+    if v.numel() == 0:
+        return {f"{name}_{s}": 0.0 for s in ("mean", "std", "min", "max")}
+    return {f"{name}_mean": float(v.mean()), f"{name}_std": float(v.std()) if v.numel() > 1 else 0.0,
+            f"{name}_min": float(v.min()), f"{name}_max": float(v.max())}
 
 
 def _masked_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:

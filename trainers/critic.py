@@ -1,0 +1,78 @@
+"""The PPO critic: a separate value model, V(s_t) for every response token.
+
+Design: a copy of the policy's transformer backbone (``policy.base_model``, e.g. Qwen2Model)
+with a scalar head ``Linear(hidden_size, 1)``, initialised from the policy when PPO training
+starts (the weights at that point, normally version 0) and trained by its own AdamW on the
+clipped value loss. It shares no parameters with the policy, so the actor's and the critic's
+updates never interfere (as slime's separate critic model).
+
+V_t is read at the position whose hidden state predicts response token t, i.e. the value of the
+state (prompt, y_<t) before the action y_t.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from transformers import AutoModel
+
+CRITIC_FILE = "critic.pt"
+
+
+class ValueModel(torch.nn.Module):
+    """backbone (HF base model) + value head: V = head(hidden_states) -> [B, L]."""
+
+    def __init__(self, backbone: torch.nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_policy(cls, policy: torch.nn.Module) -> ValueModel:
+        """A copy of ``policy``'s backbone (its current weights) + a zero-initialised head
+        (so V = 0 everywhere at the start: the first advantages are the plain returns)."""
+        backbone = copy.deepcopy(policy.base_model)
+        for p in backbone.parameters():
+            p.requires_grad_(True)
+        return cls(backbone, policy.config.hidden_size).train()
+
+    @classmethod
+    def from_config(cls, config) -> ValueModel:
+        """An untrained value model of ``config``'s shape (``load_critic`` fills it)."""
+        return cls(AutoModel.from_config(config, attn_implementation="eager"),
+                   config.hidden_size).train()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.value_head(hidden.float()).squeeze(-1)
+
+
+def response_values(critic: ValueModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    response_index: torch.Tensor) -> torch.Tensor:
+    """V[b, t] = critic(x)[b, response_index[b, t]] -> [B, T]."""
+    return critic(input_ids, attention_mask).gather(1, response_index)
+
+
+def make_critic_optimizer(critic: ValueModel, lr: float, weight_decay: float,
+                          betas: tuple[float, float]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(critic.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+
+
+def save_critic(path: Path, critic: ValueModel, optimizer: torch.optim.Optimizer) -> None:
+    """The critic's weights and its optimizer state, in one file next to the policy."""
+    torch.save({"model": critic.state_dict(), "optimizer": optimizer.state_dict()}, path)
+
+
+def load_critic(path: Path, config, lr: float, weight_decay: float,
+                betas: tuple[float, float]) -> tuple[ValueModel, torch.optim.Optimizer]:
+    """Rebuild what ``save_critic`` wrote (``config``: the policy's HF config)."""
+    state = torch.load(path, weights_only=False)
+    critic = ValueModel.from_config(config)
+    critic.load_state_dict(state["model"])
+    optimizer = make_critic_optimizer(critic, lr, weight_decay, betas)
+    optimizer.load_state_dict(state["optimizer"])
+    return critic, optimizer
