@@ -1,34 +1,26 @@
-"""End-to-end: one non-default estimator through the real pipeline (the CLI: SFT warm-up, then
-RL iterations as Prefect flows, the lake, MLflow) improves held-out accuracy on the quickstart
-task. The other estimators' measurements are in docs/algorithms.md (bench/estimators.py)."""
+"""End-to-end: one non-default estimator through the real pipeline (the CLI, RL iterations as
+Prefect flows, the lake, MLflow) improves held-out accuracy on the quickstart task, starting from
+the session's shared SFT warm-up. The other estimators' measurements are in docs/algorithms.md
+(bench/estimators.py)."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from buffer import Lake
 
-ROOT = Path(__file__).resolve().parents[1]
 ITERATIONS = 20
 
 
 @pytest.mark.slow
-def test_reinforce_plus_plus_baseline_improves_held_out_accuracy(tmp_path):
+def test_reinforce_plus_plus_baseline_improves_held_out_accuracy(tmp_path, cli, warm_model):
     home = tmp_path / "home"
-    sets = [f"home={home}", "run_id=e2e", f"num_rollout={ITERATIONS}",
-            f"eval.eval_interval={ITERATIONS}",
-            "trainer.advantage_estimator=reinforce_plus_plus_baseline"]
-    cmd = [sys.executable, "-m", "infra.cli", "run", str(ROOT / "configs" / "quickstart.yaml")]
-    for s in sets:
-        cmd += ["--set", s]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, "COLUMNS": "200"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = ["run", "configs/quickstart.yaml"]
+    for s in [f"home={home}", "run_id=e2e", f"num_rollout={ITERATIONS}", f"eval.eval_interval={ITERATIONS}",
+              f"model.path={warm_model['checkpoint']}", "sft.enabled=false",
+              "trainer.advantage_estimator=reinforce_plus_plus_baseline"]:
+        args += ["--set", s]
+    cli(args, env={"PREFECT_HOME": str(home / "prefect")})
     evals = Lake(str(home / "lake")).read("evals", run_id="e2e").to_pylist()
     acc = {e["weight_version"]: e["value"] for e in evals if e["metric"] == "accuracy"}
     assert set(acc) == {0, ITERATIONS}, acc
