@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import UTC, datetime
 
-from prefect import flow
+from prefect import flow, tags
 from prefect.settings import temporary_settings
 from prefect.utilities.annotations import quote
 
+from flows.durability import recorded_samples, recover, register_version
 from infra.config import RunConfig, config_from_dict
+from infra.faults import fault_point, set_iteration
+from infra.recovery import claim_run, release_run, run_tag, tag_current_flow_run
 from infra.runtime import RUNTIMES, Runtime, open_runtime
+from rollout.sample import Status
 from tasks.eval import evaluate
 from tasks.lake import read_training_slice, record_train_step, write_trajectories
 from tasks.rollout import generate_rollouts, score
@@ -58,19 +62,30 @@ def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
     timings: dict[str, float] = {}
     start = time.perf_counter()
     base_version = rt.trainer.weight_version
-    with _phase(timings, "generate"):
-        samples = generate_rollouts(rt, iteration)
-    with _phase(timings, "score"):
-        failed = score(rt, quote(samples))
-    with _phase(timings, "lake_write"):
-        write_trajectories(rt, quote(samples), iteration)
+    set_iteration(iteration)
+    rt.seed_iteration(iteration)
+    samples = recorded_samples(rt, iteration, base_version)  # a resume after the lake append
+    if samples is not None:
+        timings["generate"] = 0.0
+        failed = sum(s.status == Status.FAILED for s in samples)
+    else:
+        with _phase(timings, "generate"):
+            samples = generate_rollouts(rt, iteration)
+        fault_point("during_generate")
+        with _phase(timings, "score"):
+            failed = score(rt, quote(samples))
+        with _phase(timings, "lake_write"):
+            write_trajectories(rt, quote(samples), iteration)
+    fault_point("after_lake_append")
     with _phase(timings, "slice_read"):
         training_slice, lake_version = read_training_slice(rt, base_version)
     with _phase(timings, "train"):
         train_metrics = train(rt, training_slice)
+    fault_point("during_train")
     new_version = rt.trainer.weight_version
     with _phase(timings, "publish"):
         publish_weights(rt, new_version)
+    fault_point("after_checkpoint_save")
     versions = training_slice.column("weight_version").to_pylist()
     metrics = {**rollout_metrics(samples, timings["generate"]), "rollout/failed": float(failed),
                **{f"train/{k}": v for k, v in train_metrics.items()},
@@ -88,7 +103,9 @@ def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
             "staleness_min": metrics["staleness/min"], "staleness_mean": metrics["staleness/mean"],
             "staleness_max": metrics["staleness/max"],
             "metrics": json.dumps(metrics), "timings": json.dumps(timings)})
+        fault_point("during_mlflow_log")
         log_metrics(rt, {**metrics, **{f"time/{k}": v for k, v in timings.items()}}, iteration)
+        register_version(rt, new_version, iteration, lake_version, training_slice.num_rows)
     timings["total"] = time.perf_counter() - start
     metrics.update({f"time/{k}": v for k, v in timings.items()})
     if (iteration + 1) % rt.cfg.eval.eval_interval == 0 or iteration + 1 == rt.cfg.num_rollout:
@@ -125,18 +142,24 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
     rt.tracker.start(rt.run_id, params=_flat_params(rt.cfg), tags={"rlake.run_id": rt.run_id},
                      mlflow_run_id=rt.mlflow_run_id)
     _update_run(rt, "running")
+    stack = ExitStack()
     try:
-        history = {"eval": []}
+        claim_run(rt.run_dir)
+        if resume:
+            recover(rt, tag_current_flow_run(rt.run_id))
+        else:
+            tag_current_flow_run(rt.run_id)
+        stack.enter_context(tags(run_tag(rt.run_id)))  # every subflow run carries the tag
         if rt.start_iteration == 0 and not rt.checkpoint_dir(0).exists():
             if rt.cfg.sft.enabled and rt.cfg.sft.steps > 0:
                 reporter("sft_start", {"steps": rt.cfg.sft.steps})
                 sft_warmup(rt.run_id)
             else:
                 publish_weights(rt, 0)
-        if rt.start_iteration == 0 and not _has_eval(rt, 0):
-            acc = evaluate(rt, 0)["accuracy"]
-            history["eval"].append((0, acc))
-            reporter("eval", {"iteration": 0, "accuracy": acc})
+            register_version(rt, 0, None, None, 0)
+        if _eval_due(rt, rt.start_iteration) and not _has_eval(rt, rt.trainer.weight_version):
+            acc = evaluate(rt, rt.start_iteration)["accuracy"]
+            reporter("eval", {"iteration": rt.start_iteration, "accuracy": acc})
         reporter("rl_start", {"start": rt.start_iteration, "total": rt.cfg.num_rollout})
         for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
             metrics = rl_iteration(rt.run_id, iteration)
@@ -150,8 +173,15 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
         rt.tracker.finish("FAILED")
         raise
     finally:
+        stack.close()
+        release_run(rt.run_dir)
         rt.engine.shutdown()
         RUNTIMES.pop(rt.run_id, None)
+
+
+def _eval_due(rt: Runtime, done: int) -> bool:
+    """After ``done`` iterations: at the start, every ``eval_interval``, and at the end."""
+    return done == 0 or done % rt.cfg.eval.eval_interval == 0 or done == rt.cfg.num_rollout
 
 
 def _has_eval(rt: Runtime, version: int) -> bool:

@@ -1,4 +1,5 @@
-"""The ``rlake`` command line: run, resume, status, sql (and lake maintenance)."""
+"""The ``rlake`` command line: run, resume, status, sql (and lake maintenance); replay, lineage,
+report, deploy, serve (infra/ops_cli.py)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,11 @@ def sql(query: str, home: HomeOpt = "./rlake-home",
     from infra.lake_cli import sql_command
 
     sql_command(lake_uri or str(Path(home) / "lake"), query, fmt, out, as_of, console)
+
+
+from infra.ops_cli import register as _register_ops  # noqa: E402 - replay, lineage, report, deploy, serve
+
+_register_ops(app)
 
 
 def _print_summary(summary: dict) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from infra.config import TrainerConfig
+from infra.faults import fault_point
 from infra.modeling import load_model
 from trainers import algorithms as alg
 from trainers.base import TrainBatch
@@ -201,6 +202,7 @@ class TorchTrainer:
         torch.save({"optimizer": self.optimizer.state_dict(), "weight_version": self.weight_version,
                     "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
                     "numpy_rng": np.random.get_state()}, tmp / STATE_FILE)
+        fault_point("during_checkpoint_save")
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
 
