@@ -85,10 +85,12 @@ def build_deployments(home: str | Path, maintenance_interval: float | None):
     """RunnerDeployments for every recorded spec, plus lake maintenance (None: not served)."""
     deployments = []
     for spec in load_specs(home):
+        # not the rlake-run tag: a resume marks RUNNING flow runs with that tag Crashed, and the
+        # tick's own flow run is RUNNING while it resumes
         deployments.append(scheduled_run.to_deployment(
             name=spec["name"], cron=spec["cron"], interval=spec["interval"],
             parameters={"config": spec["config"], "run_id": spec["run_id"]},
-            concurrency_limit=1, tags=[f"rlake-run:{spec['run_id']}", "rlake"]))
+            concurrency_limit=1, tags=["rlake", f"rlake-deployment:{spec['run_id']}"]))
     if maintenance_interval:
         lake_uri = str(Path(home).resolve() / "lake")
         deployments.append(lake_maintenance.to_deployment(

@@ -8,14 +8,18 @@
       train(slice)                               -> weights v+1, metrics
       publish_weights(v+1)                       -> HF checkpoint, engine updated
       record_train_step + log_metrics            -> train_steps row (the durable point), MLflow
+      register weight version                    -> MLflow model version (lineage tags)
       evaluate (every eval_interval)             -> evals rows
+
+The part from the slice read on is ``flows.steps.train_and_commit`` (shared with replay). On a
+resume, ``flows.durability`` reuses trajectories already in the lake and repairs what a crash left
+(docs/operations.md); ``infra.faults`` points mark where a test may kill the process.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from datetime import UTC, datetime
 
 from prefect import flow, tags
@@ -23,28 +27,22 @@ from prefect.settings import temporary_settings
 from prefect.utilities.annotations import quote
 
 from flows.durability import recorded_samples, recover, register_version
+from flows.steps import phase, train_and_commit
 from infra.config import RunConfig, config_from_dict
 from infra.faults import fault_point, set_iteration
 from infra.recovery import claim_run, release_run, run_tag, tag_current_flow_run
 from infra.runtime import RUNTIMES, Runtime, open_runtime
 from rollout.sample import Status
 from tasks.eval import evaluate
-from tasks.lake import read_training_slice, record_train_step, write_trajectories
+from tasks.lake import write_trajectories
 from tasks.rollout import generate_rollouts, score
 from tasks.sft import sft_train
-from tasks.train import log_metrics, publish_weights, train
-from trainers.metrics import rollout_metrics, staleness
+from tasks.train import publish_weights
+from trainers.metrics import rollout_metrics
 
 # Measured on these machines: heartbeats off + batched server writers make a flow run per
 # iteration cost ~0.2 s instead of ~1.2 s (shared/DESIGN.md). Only settable this way.
 FAST_FLOW_SETTINGS = {"flows.heartbeat_frequency": None}
-
-
-@contextmanager
-def _phase(timings: dict[str, float], name: str):
-    start = time.perf_counter()
-    yield
-    timings[name] = time.perf_counter() - start
 
 
 @flow(name="sft_warmup")
@@ -69,43 +67,16 @@ def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
         timings["generate"] = 0.0
         failed = sum(s.status == Status.FAILED for s in samples)
     else:
-        with _phase(timings, "generate"):
+        with phase(timings, "generate"):
             samples = generate_rollouts(rt, iteration)
         fault_point("during_generate")
-        with _phase(timings, "score"):
+        with phase(timings, "score"):
             failed = score(rt, quote(samples))
-        with _phase(timings, "lake_write"):
+        with phase(timings, "lake_write"):
             write_trajectories(rt, quote(samples), iteration)
     fault_point("after_lake_append")
-    with _phase(timings, "slice_read"):
-        training_slice, lake_version = read_training_slice(rt, base_version)
-    with _phase(timings, "train"):
-        train_metrics = train(rt, training_slice)
-    fault_point("during_train")
-    new_version = rt.trainer.weight_version
-    with _phase(timings, "publish"):
-        publish_weights(rt, new_version)
-    fault_point("after_checkpoint_save")
-    versions = training_slice.column("weight_version").to_pylist()
-    metrics = {**rollout_metrics(samples, timings["generate"]), "rollout/failed": float(failed),
-               **{f"train/{k}": v for k, v in train_metrics.items()},
-               **staleness(base_version, versions), "weight_version": float(new_version)}
-    with _phase(timings, "record"):
-        record_train_step(rt, {
-            "run_id": rt.run_id, "step": iteration, "iteration": iteration,
-            "base_version": base_version, "weight_version": new_version, "lake_version": lake_version,
-            "sample_uids": training_slice.column("sample_uid").to_pylist(),
-            "n_samples": training_slice.num_rows,
-            "n_response_tokens": int(sum(len(x) for x in training_slice.column("response_token_ids").to_pylist())),
-            **{k: train_metrics.get(k) for k in ("pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss",
-                                                  "grad_norm")},
-            "entropy": train_metrics.get("entropy_loss"),
-            "staleness_min": metrics["staleness/min"], "staleness_mean": metrics["staleness/mean"],
-            "staleness_max": metrics["staleness/max"],
-            "metrics": json.dumps(metrics), "timings": json.dumps(timings)})
-        fault_point("during_mlflow_log")
-        log_metrics(rt, {**metrics, **{f"time/{k}": v for k, v in timings.items()}}, iteration)
-        register_version(rt, new_version, iteration, lake_version, training_slice.num_rows)
+    stats = {**rollout_metrics(samples, timings["generate"]), "rollout/failed": float(failed)}
+    metrics = train_and_commit(rt, iteration, base_version, stats, timings)
     timings["total"] = time.perf_counter() - start
     metrics.update({f"time/{k}": v for k, v in timings.items()})
     if (iteration + 1) % rt.cfg.eval.eval_interval == 0 or iteration + 1 == rt.cfg.num_rollout:
