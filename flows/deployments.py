@@ -59,10 +59,12 @@ def save_spec(home: str | Path, name: str, config: dict, run_id: str, cron: str 
     if interval is not None and interval <= 0:
         raise ValueError(f"--interval must be > 0 seconds, got {interval}")
     if cron is not None:
-        from croniter import croniter
+        from prefect.client.schemas.schedules import CronSchedule
 
-        if not croniter.is_valid(cron):
-            raise ValueError(f"--cron '{cron}' is not a valid cron expression")
+        try:
+            CronSchedule(cron=cron)
+        except ValueError:
+            raise ValueError(f"--cron '{cron}' is not a valid cron expression") from None
     path = spec_dir(home) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"name": name, "config": config, "run_id": run_id, "cron": cron,
