@@ -7,8 +7,9 @@
                                                                 built-in lake-maintenance one
 
 A deployment's flow, ``scheduled_run``, starts its rlake run the first time and continues it
-(resume) on later ticks until it is complete; ``concurrency_limit=1`` keeps two ticks of one run
-from overlapping. Deployments recorded while ``rlake serve`` runs are picked up at its next start.
+(resume) on later ticks until it is complete; a tick that finds the run owned by a live process
+(the previous tick, ``owner.pid``) does nothing. (Prefect's deployment ``concurrency_limit`` is
+not used: on this loaded machine its lease was lost during provisioning and every run cancelled.) Deployments recorded while ``rlake serve`` runs are picked up at its next start.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from buffer import Lake
 from flows.maintenance import lake_maintenance
 from flows.rl import rl_run
 from infra.config import config_from_dict
+from infra.recovery import run_owner
 
 MAINTENANCE = "lake-maintenance"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -39,6 +41,9 @@ def scheduled_run(config: dict, run_id: str) -> dict:
     row = Lake(cfg.resolved_lake_uri, cfg.storage_options or None).get_run(run_id)
     if row is not None and row["status"] == "completed":
         return {"run_id": run_id, "status": "completed", "action": "none"}
+    owner = run_owner(Path(cfg.home).resolve() / "runs" / run_id)
+    if owner is not None:  # the previous tick is still at it
+        return {"run_id": run_id, "status": "running", "action": f"none (process {owner} runs it)"}
     summary = rl_run(config, run_id=run_id, resume=row is not None)
     return {**summary, "action": "resumed" if row is not None else "started"}
 
@@ -91,13 +96,12 @@ def build_deployments(home: str | Path, maintenance_interval: float | None):
         # tick's own flow run is RUNNING while it resumes
         deployments.append(scheduled_run.to_deployment(
             name=spec["name"], cron=spec["cron"], interval=spec["interval"],
-            parameters={"config": spec["config"], "run_id": spec["run_id"]},
-            concurrency_limit=1, tags=["rlake", f"rlake-deployment:{spec['run_id']}"]))
+            parameters={"config": spec["config"], "run_id": spec["run_id"]}, tags=["rlake", f"rlake-deployment:{spec['run_id']}"]))
     if maintenance_interval:
         lake_uri = str(Path(home).resolve() / "lake")
         deployments.append(lake_maintenance.to_deployment(
             name=MAINTENANCE, interval=maintenance_interval, parameters={"lake_uri": lake_uri},
-            concurrency_limit=1, tags=["rlake"]))
+            tags=["rlake"]))
     return deployments
 
 

@@ -108,6 +108,12 @@ def set_reporter(reporter) -> None:
 
 def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
     rt = open_runtime(cfg, run_id, resume)
+    try:
+        claim_run(rt.run_dir)  # before anything marks the run: a second live process stops here
+    except ValueError:
+        rt.engine.shutdown()
+        RUNTIMES.pop(rt.run_id, None)
+        raise
     rt.reporter = _REPORTER
     reporter = rt.report
     rt.tracker.start(rt.run_id, params=_flat_params(rt.cfg), tags={"rlake.run_id": rt.run_id},
@@ -115,7 +121,6 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
     _update_run(rt, "running")
     stack = ExitStack()
     try:
-        claim_run(rt.run_dir)
         if resume:
             recover(rt, tag_current_flow_run(rt.run_id))
         else:

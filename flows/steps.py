@@ -70,6 +70,7 @@ def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_sta
     with phase(timings, "record"):
         record_train_step(rt, train_step_row(rt, iteration, base_version, new_version, lake_version,
                                              training_slice, train_metrics, metrics, timings))
+        rt.prune_checkpoints(keep_version=new_version)  # new_version is committed now
         fault_point("during_mlflow_log")
         log_metrics(rt, {**metrics, **{f"time/{k}": v for k, v in timings.items()}}, iteration)
         register_version(rt, new_version, iteration, lake_version, training_slice.num_rows)

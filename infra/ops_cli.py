@@ -126,14 +126,19 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one nested function per 
                   "--maintenance-interval", help="seconds between lake compact+vacuum (0: off)")] = 6 * 3600,
               port: Annotated[int | None, typer.Option("--port")] = None) -> None:
         """Start (or reuse) a Prefect server on 127.0.0.1 for HOME and serve rlake's deployments."""
-        from infra.env import configure_environment
+        import os
 
-        configure_environment(home)
-        from flows.deployments import serve_forever
+        from infra.env import configure_environment
         from infra.prefect_server import ensure_server, server_info, stop_server
 
+        configure_environment(home)
         started = server_info(home) is None
         url = ensure_server(home, port)
+        # Prefect reads its settings once, at import: point it at the server before importing it
+        # (else it would start an embedded server of its own)
+        os.environ["PREFECT_API_URL"] = url
+        from flows.deployments import serve_forever
+
         console.print(f"Prefect server: {url} ({'started' if started else 'already running'})")
         try:
             serve_forever(home, url, maintenance_interval or None)

@@ -103,15 +103,23 @@ def stop_processes(pids: list[int], grace_s: float = 5.0) -> list[int]:
     return pids
 
 
+def run_owner(run_dir: Path) -> int | None:
+    """The PID of another live (Python) process that owns the run folder, or None."""
+    lock = run_dir / "owner.pid"
+    text = lock.read_text().strip() if lock.exists() else ""
+    if text.isdigit() and int(text) != os.getpid() and pid_alive(int(text)) \
+            and "python" in _cmdline(int(text)):
+        return int(text)
+    return None
+
+
 def claim_run(run_dir: Path) -> None:
     """Record this process as the run's owner; a ValueError if a live process already owns it."""
     lock = run_dir / "owner.pid"
-    if lock.exists():
-        text = lock.read_text().strip()
-        if text.isdigit() and int(text) != os.getpid() and pid_alive(int(text)) \
-                and "python" in _cmdline(int(text)):
-            raise ValueError(f"run folder {run_dir} is in use by process {text} "
-                             "(stop it first, or wait for it to finish)")
+    owner = run_owner(run_dir)
+    if owner is not None:
+        raise ValueError(f"run folder {run_dir} is in use by process {owner} "
+                         "(stop it first, or wait for it to finish)")
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = lock.with_suffix(".tmp")
     tmp.write_text(str(os.getpid()))
