@@ -15,7 +15,8 @@ from pathlib import Path
 
 from buffer import Lake
 
-TIME_PHASES = ("generate", "score", "lake_write", "slice_read", "train", "publish", "record")
+# "record" is not there: the train_steps row is written during that phase
+TIME_PHASES = ("generate", "score", "lake_write", "slice_read", "train", "publish")
 
 
 def rollout_by_iteration(rows: list[dict]) -> dict[int, dict[str, float]]:
@@ -73,8 +74,10 @@ def _figures(data: dict, stem: Path) -> list[tuple[str, Path]]:
         out.append((title, path))
 
     fig, ax = plt.subplots(figsize=(7, 3.6))
+    source = data["run"].get("replay_of")
     ax.plot([ro[i]["version"] for i in its], [ro[i]["reward"] for i in its], "o-", ms=3,
-            label="rollout reward (mean, by generating version)")
+            label=f"replayed reward (by {source}'s generating version)" if source
+            else "rollout reward (mean, by generating version)")
     for name, points in evals.items():
         ax.plot([v for v, _ in points], [x for _, x in points], "s--", ms=4, label=name)
     ax.set(xlabel="weight version", ylabel="reward / accuracy", ylim=(-0.02, 1.02),
