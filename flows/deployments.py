@@ -105,8 +105,12 @@ def build_deployments(home: str | Path, maintenance_interval: float | None):
     return deployments
 
 
-def serve_forever(home: str | Path, api_url: str, maintenance_interval: float | None) -> None:
-    """Serve the deployments against ``api_url`` until SIGTERM / Ctrl-C (then return)."""
+def serve_forever(home: str | Path, api_url: str, maintenance_interval: float | None,
+                  limit: int = 1) -> None:
+    """Serve the deployments against ``api_url`` until SIGTERM / Ctrl-C (then return).
+
+    At most ``limit`` flow runs execute at once (each is a process that loads the stack): ticks
+    that come due meanwhile wait their turn instead of piling up processes."""
     from prefect import serve
 
     os.environ["PREFECT_API_URL"] = api_url
@@ -122,6 +126,6 @@ def serve_forever(home: str | Path, api_url: str, maintenance_interval: float | 
     if not deployments:
         raise ValueError("nothing to serve: no deployments recorded and maintenance is off")
     try:
-        serve(*deployments, print_starting_message=True)
+        serve(*deployments, print_starting_message=True, limit=limit)
     except KeyboardInterrupt:
         pass

@@ -124,7 +124,8 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one nested function per 
     def serve(home: HomeOpt = "./rlake-home",
               maintenance_interval: Annotated[float, typer.Option(
                   "--maintenance-interval", help="seconds between lake compact+vacuum (0: off)")] = 6 * 3600,
-              port: Annotated[int | None, typer.Option("--port")] = None) -> None:
+              port: Annotated[int | None, typer.Option("--port")] = None,
+              limit: Annotated[int, typer.Option("--limit", help="flow runs at once")] = 1) -> None:
         """Start (or reuse) a Prefect server on 127.0.0.1 for HOME and serve rlake's deployments."""
         import os
 
@@ -141,7 +142,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one nested function per 
 
         console.print(f"Prefect server: {url} ({'started' if started else 'already running'})")
         try:
-            serve_forever(home, url, maintenance_interval or None)
+            serve_forever(home, url, maintenance_interval or None, limit)
         finally:
             if started:
                 stop_server(home)

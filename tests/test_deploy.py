@@ -44,18 +44,18 @@ def test_deploy_interval_then_serve_runs_it_and_stops_cleanly(tmp_path):
         node[leaf] = yaml.safe_load(value)
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(cfg))
     log = tmp_path / "deploy.log"
-    proc = rlake(["deploy", str(tmp_path / "tiny.yaml"), "--name", "tiny", "--interval", "5"],
+    proc = rlake(["deploy", str(tmp_path / "tiny.yaml"), "--name", "tiny", "--interval", "20"],
                  cli_env(None), log)
     assert proc.returncode == 0, tail(log)
     spec = json.loads((home / "deployments" / "tiny.json").read_text())
-    assert (spec["run_id"], spec["interval"]) == ("tiny", 5.0)
+    assert (spec["run_id"], spec["interval"]) == ("tiny", 20.0)
     bad = rlake(["deploy", str(tmp_path / "tiny.yaml"), "--name", "x"], cli_env(None), tmp_path / "bad.log")
     assert bad.returncode == 1 and "exactly one of --cron" in (tmp_path / "bad.log").read_text()
 
     prefect_home = str((home / "prefect").resolve())
     serve_log = open(tmp_path / "serve.log", "w")
     serve = subprocess.Popen([sys.executable, "-m", "infra.cli", "serve", "--home", str(home),
-                              "--maintenance-interval", "5"], cwd=ROOT,
+                              "--maintenance-interval", "20"], cwd=ROOT,
                              env=cli_env(None, PREFECT_HOME=prefect_home), stdout=serve_log,
                              stderr=subprocess.STDOUT, start_new_session=True)
     try:
