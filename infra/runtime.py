@@ -158,6 +158,9 @@ def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False
         row = lake.get_run(run_id)
         if row is None:
             raise ValueError(f"no run '{run_id}' in the lake at {cfg.resolved_lake_uri}")
+        if row.get("replay_of"):
+            raise ValueError(f"run '{run_id}' is a replay of '{row['replay_of']}': resume would "
+                             "generate; run `rlake replay` again instead")
         cfg = config_from_dict(json.loads(row["config"]))
     run_id = run_id or cfg.run_id or new_run_id()
     seed_everything(cfg.seed)
