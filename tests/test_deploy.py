@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -20,11 +19,12 @@ DEADLINE_S = 480
 
 
 def _completed_by_deployment(url: str) -> dict[str, list[str]]:
-    os.environ["PREFECT_API_URL"] = url
     from prefect import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     out: dict[str, list[str]] = {}
-    with get_client(sync_client=True) as client:
+    # settings, not os.environ: Prefect may already be imported (its settings read at import)
+    with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
         names = {d.id: d.name for d in client.read_deployments()}
         for fr in client.read_flow_runs():
             if fr.deployment_id in names:

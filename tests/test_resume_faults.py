@@ -11,7 +11,6 @@ own embedded server so that resume has a real orphaned server to stop.
 from __future__ import annotations
 
 import json
-import os
 import signal
 
 import pytest
@@ -89,11 +88,12 @@ def _mlflow_invariants(home, run_id, mlflow_run_id):
 
 
 def _prefect_invariants(api_url, run_id):
-    os.environ["PREFECT_API_URL"] = api_url
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with get_client(sync_client=True) as client:
+    # settings, not os.environ: Prefect may already be imported (its settings read at import)
+    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             tags=FlowRunFilterTags(all_=[run_tag(run_id)])))
     states = [(fr.name, fr.state_type.value) for fr in runs]
