@@ -8,39 +8,40 @@
       train(slice)                               -> weights v+1, metrics
       publish_weights(v+1)                       -> HF checkpoint, engine updated
       record_train_step + log_metrics            -> train_steps row (the durable point), MLflow
+      register weight version                    -> MLflow model version (lineage tags)
       evaluate (every eval_interval)             -> evals rows
+
+The part from the slice read on is ``flows.steps.train_and_commit`` (shared with replay). On a
+resume, ``flows.durability`` reuses trajectories already in the lake and repairs what a crash left
+(docs/operations.md); ``infra.faults`` points mark where a test may kill the process.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack
 from datetime import UTC, datetime
 
-from prefect import flow
+from prefect import flow, tags
 from prefect.settings import temporary_settings
 from prefect.utilities.annotations import quote
 
+from flows.durability import recorded_samples, recover, register_version
+from flows.steps import phase, train_and_commit
 from infra.config import RunConfig, config_from_dict
+from infra.faults import fault_point, set_iteration
+from infra.recovery import claim_run, release_run, run_tag, tag_current_flow_run
 from infra.runtime import RUNTIMES, Runtime, open_runtime
+from rollout.sample import Status
 from tasks.eval import evaluate
-from tasks.lake import read_training_slice, record_train_step
 from tasks.rollout import generate_rollouts, score, write_rollout
 from tasks.sft import sft_train
-from tasks.train import log_metrics, publish_weights, train
-from trainers.metrics import rollout_metrics, staleness
+from tasks.train import publish_weights
+from trainers.metrics import rollout_metrics
 
 # Measured on these machines: heartbeats off + batched server writers make a flow run per
 # iteration cost ~0.2 s instead of ~1.2 s (shared/DESIGN.md). Only settable this way.
 FAST_FLOW_SETTINGS = {"flows.heartbeat_frequency": None}
-
-
-@contextmanager
-def _phase(timings: dict[str, float], name: str):
-    start = time.perf_counter()
-    yield
-    timings[name] = time.perf_counter() - start
 
 
 @flow(name="sft_warmup")
@@ -58,39 +59,26 @@ def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
     timings: dict[str, float] = {}
     start = time.perf_counter()
     base_version = rt.trainer.weight_version
-    with _phase(timings, "generate"):
-        rollout = generate_rollouts(rt, iteration)  # dynamic sampling / partial rollouts inside
-        samples = rollout.samples
-    with _phase(timings, "score"):
-        failed = score(rt, quote(samples))
-    with _phase(timings, "lake_write"):
-        write_rollout(rt, quote(rollout), iteration)  # train + filtered/aborted/partial rows
-    with _phase(timings, "slice_read"):
-        training_slice, lake_version = read_training_slice(rt, base_version)
-    with _phase(timings, "train"):
-        train_metrics = train(rt, training_slice)
-    new_version = rt.trainer.weight_version
-    with _phase(timings, "publish"):
-        publish_weights(rt, new_version)
-    versions = training_slice.column("weight_version").to_pylist()
-    metrics = {**rollout_metrics(samples, timings["generate"]), "rollout/failed": float(failed),
-               **rollout.stats,
-               **{f"train/{k}": v for k, v in train_metrics.items()},
-               **staleness(base_version, versions), "weight_version": float(new_version)}
-    with _phase(timings, "record"):
-        record_train_step(rt, {
-            "run_id": rt.run_id, "step": iteration, "iteration": iteration,
-            "base_version": base_version, "weight_version": new_version, "lake_version": lake_version,
-            "sample_uids": training_slice.column("sample_uid").to_pylist(),
-            "n_samples": training_slice.num_rows,
-            "n_response_tokens": int(sum(len(x) for x in training_slice.column("response_token_ids").to_pylist())),
-            **{k: train_metrics.get(k) for k in ("pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss",
-                                                  "grad_norm")},
-            "entropy": train_metrics.get("entropy_loss"),
-            "staleness_min": metrics["staleness/min"], "staleness_mean": metrics["staleness/mean"],
-            "staleness_max": metrics["staleness/max"],
-            "metrics": json.dumps(metrics), "timings": json.dumps(timings)})
-        log_metrics(rt, {**metrics, **{f"time/{k}": v for k, v in timings.items()}}, iteration)
+    set_iteration(iteration)
+    rt.seed_iteration(iteration)
+    rollout_stats: dict[str, float] = {}
+    samples = recorded_samples(rt, iteration, base_version)  # a resume after the lake append
+    if samples is not None:
+        timings["generate"] = 0.0
+        failed = sum(s.status == Status.FAILED for s in samples)
+    else:
+        with phase(timings, "generate"):
+            rollout = generate_rollouts(rt, iteration)  # dynamic sampling / partial rollouts inside
+            samples, rollout_stats = rollout.samples, rollout.stats
+        fault_point("during_generate")
+        with phase(timings, "score"):
+            failed = score(rt, quote(samples))
+        with phase(timings, "lake_write"):
+            write_rollout(rt, quote(rollout), iteration)  # train + filtered/aborted/partial rows
+    fault_point("after_lake_append")
+    stats = {**rollout_metrics(samples, timings["generate"]), "rollout/failed": float(failed),
+             **rollout_stats}
+    metrics = train_and_commit(rt, iteration, base_version, stats, timings)
     timings["total"] = time.perf_counter() - start
     metrics.update({f"time/{k}": v for k, v in timings.items()})
     if (iteration + 1) % rt.cfg.eval.eval_interval == 0 or iteration + 1 == rt.cfg.num_rollout:
@@ -122,23 +110,34 @@ def set_reporter(reporter) -> None:
 
 def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
     rt = open_runtime(cfg, run_id, resume)
+    try:
+        claim_run(rt.run_dir)  # before anything marks the run: a second live process stops here
+    except ValueError:
+        rt.engine.shutdown()
+        RUNTIMES.pop(rt.run_id, None)
+        raise
     rt.reporter = _REPORTER
     reporter = rt.report
     rt.tracker.start(rt.run_id, params=_flat_params(rt.cfg), tags={"rlake.run_id": rt.run_id},
                      mlflow_run_id=rt.mlflow_run_id)
     _update_run(rt, "running")
+    stack = ExitStack()
     try:
-        history = {"eval": []}
+        if resume:
+            recover(rt, tag_current_flow_run(rt.run_id))
+        else:
+            tag_current_flow_run(rt.run_id)
+        stack.enter_context(tags(run_tag(rt.run_id)))  # every subflow run carries the tag
         if rt.start_iteration == 0 and not rt.checkpoint_dir(0).exists():
             if rt.cfg.sft.enabled and rt.cfg.sft.steps > 0:
                 reporter("sft_start", {"steps": rt.cfg.sft.steps})
                 sft_warmup(rt.run_id)
             else:
                 publish_weights(rt, 0)
-        if rt.start_iteration == 0 and not _has_eval(rt, 0):
-            acc = evaluate(rt, 0)["accuracy"]
-            history["eval"].append((0, acc))
-            reporter("eval", {"iteration": 0, "accuracy": acc})
+            register_version(rt, 0, None, None, 0)
+        if _eval_due(rt, rt.start_iteration) and not _has_eval(rt, rt.trainer.weight_version):
+            acc = evaluate(rt, rt.start_iteration)["accuracy"]
+            reporter("eval", {"iteration": rt.start_iteration, "accuracy": acc})
         reporter("rl_start", {"start": rt.start_iteration, "total": rt.cfg.num_rollout})
         for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
             metrics = rl_iteration(rt.run_id, iteration)
@@ -152,10 +151,17 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
         rt.tracker.finish("FAILED")
         raise
     finally:
+        stack.close()
+        release_run(rt.run_dir)
         rt.engine.shutdown()
         if hasattr(rt.trainer, "close"):
             rt.trainer.close()
         RUNTIMES.pop(rt.run_id, None)
+
+
+def _eval_due(rt: Runtime, done: int) -> bool:
+    """After ``done`` iterations: at the start, every ``eval_interval``, and at the end."""
+    return done == 0 or done % rt.cfg.eval.eval_interval == 0 or done == rt.cfg.num_rollout
 
 
 def _has_eval(rt: Runtime, version: int) -> bool:

@@ -1,4 +1,5 @@
-"""The ``rlake`` command line: run, resume, status, sql (and lake maintenance)."""
+"""The ``rlake`` command line: run, resume, status, sql (and lake maintenance); replay, lineage,
+report, deploy, serve (infra/ops_cli.py)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,11 @@ def status(run_id: Annotated[str | None, typer.Argument()] = None, home: HomeOpt
     from infra.status import show_status
 
     show_status(console, lake_uri or str(Path(home) / "lake"), run_id)
+
+
+from infra.ops_cli import register as _register_ops  # noqa: E402 - replay, lineage, report, deploy, serve
+
+_register_ops(app)
 
 
 def _print_summary(summary: dict) -> None:

@@ -12,6 +12,8 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
+import torch
+
 from buffer import Lake
 from infra.config import RunConfig, config_from_dict
 from infra.modeling import build_tiny_model, load_tokenizer
@@ -69,13 +71,23 @@ class Runtime:
                               temperature=0.0 if greedy else r.rollout_temperature,
                               top_p=r.rollout_top_p)
 
+    def committed_version(self) -> int:
+        """The newest weight version named by a ``train_steps`` row (0 before the first): the
+        commit point. A newer checkpoint folder may exist (a crash after the save, before the
+        row) and is never trusted."""
+        steps = self.lake.read("train_steps", run_id=self.run_id, columns=["weight_version"])
+        versions = [v for v in steps.column("weight_version").to_pylist() if v is not None]
+        return max(versions, default=0)
+
     def prune_checkpoints(self, keep_version: int) -> None:
-        """Keep the newest ``keep_checkpoints`` versions (and always ``keep_version``)."""
+        """Keep the newest ``keep_checkpoints`` versions, ``keep_version`` and the committed
+        version; only versions older than the committed one are ever deleted."""
+        committed = self.committed_version()
         versions = sorted(int(p.name[1:]) for p in self.checkpoint_root.glob("v[0-9]*")
                           if p.is_dir() and not p.name.endswith(".tmp"))
         keep = {keep_version, 0} if self.trainer_needs_v0 else {keep_version}
         for v in versions[:-self.cfg.keep_checkpoints]:
-            if v not in keep:
+            if v not in keep and v < committed:
                 shutil.rmtree(self.checkpoint_dir(v), ignore_errors=True)
 
     @property
@@ -84,9 +96,25 @@ class Runtime:
         return bool(getattr(self.trainer, "uses_reference", False))
 
     def latest_checkpoint(self) -> int | None:
-        versions = [int(p.name[1:]) for p in self.checkpoint_root.glob("v[0-9]*")
-                    if p.is_dir() and not p.name.endswith(".tmp")]
-        return max(versions) if versions else None
+        """The committed version if its checkpoint exists (None otherwise); see ``committed_version``."""
+        committed = self.committed_version()
+        return committed if self.checkpoint_dir(committed).exists() else None
+
+    def seed_iteration(self, iteration: int) -> int:
+        """Seed every RNG an iteration uses from (seed, iteration) alone, so an iteration draws the
+        same numbers whether the run was interrupted or not:  s = (seed * 1_000_003 + iteration)
+        mod 2**63.  Returns s."""
+        s = iteration_seed(self.cfg.seed, iteration)
+        seed_everything(s)
+        generator = getattr(self.engine, "generator", None)
+        if generator is not None:
+            generator.manual_seed(s)
+        return s
+
+
+def iteration_seed(seed: int, iteration: int) -> int:
+    """(seed * 1_000_003 + iteration) mod 2**63: distinct per (seed, iteration) for small values."""
+    return (seed * 1_000_003 + iteration) % 2**63
 
 
 def _base_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
@@ -136,6 +164,9 @@ def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False
         row = lake.get_run(run_id)
         if row is None:
             raise ValueError(f"no run '{run_id}' in the lake at {cfg.resolved_lake_uri}")
+        if row.get("replay_of"):
+            raise ValueError(f"run '{run_id}' is a replay of '{row['replay_of']}': resume would "
+                             "generate; run `rlake replay` again instead")
         cfg = config_from_dict(json.loads(row["config"]))
     run_id = run_id or cfg.run_id or new_run_id()
     seed_everything(cfg.seed)
@@ -150,13 +181,10 @@ def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False
     attach_rollout(rt)  # rewards, rollout/eval functions, eval sets, data position
     start_version, start_iteration = 0, 0
     model_dir = base
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
     if resume:
-        steps = lake.read("train_steps", run_id=run_id, columns=["iteration", "weight_version"])
-        if steps.num_rows:
-            start_iteration = max(steps.column("iteration").to_pylist()) + 1
-            start_version = max(steps.column("weight_version").to_pylist())
-        if rt.checkpoint_dir(start_version).exists():
-            model_dir = rt.checkpoint_dir(start_version)
+        start_iteration, start_version, model_dir = resume_point(rt, base)
         rt.mlflow_run_id = row.get("mlflow_run_id")
     rt.start_iteration = start_iteration
     rt.trainer = _make_trainer(cfg, model_dir, tokenizer, start_version,
@@ -166,3 +194,21 @@ def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False
     rt.engine = _make_engine(cfg, model_dir, tokenizer, start_version)
     RUNTIMES[run_id] = rt
     return rt
+
+
+def resume_point(rt: Runtime, base: Path) -> tuple[int, int, Path]:
+    """(next iteration, committed weight version, its model folder) read from the lake.
+
+    Next iteration = max(train_steps.iteration) + 1. Weights = the checkpoint of the committed
+    version (never a newer, uncommitted folder). Before the first commit: v0 if SFT finished
+    (its folder exists; the rename is atomic), else the base model (SFT runs again).
+    """
+    steps = rt.lake.read("train_steps", run_id=rt.run_id, columns=["iteration", "weight_version"])
+    if not steps.num_rows:
+        return 0, 0, rt.checkpoint_dir(0) if rt.checkpoint_dir(0).exists() else base
+    start_iteration = max(steps.column("iteration").to_pylist()) + 1
+    version = max(steps.column("weight_version").to_pylist())
+    if not rt.checkpoint_dir(version).exists():
+        raise FileNotFoundError(f"run {rt.run_id}: committed weight version {version} has no "
+                                f"checkpoint at {rt.checkpoint_dir(version)}; cannot resume")
+    return start_iteration, version, rt.checkpoint_dir(version)

@@ -55,3 +55,42 @@ class Tracker:
     def finish(self, status: str = "FINISHED") -> None:
         if self.run_id:
             self.client.set_terminated(self.run_id, status=status)
+
+    # ---- lineage: weight versions in the model registry ----
+    def model_name(self, rlake_run_id: str) -> str:
+        """One registered model per rlake run; its versions are the run's weight versions."""
+        return f"rlake-{rlake_run_id}"
+
+    def registered_weight_versions(self, rlake_run_id: str) -> set[int]:
+        """Weight versions of ``rlake_run_id`` already in the registry (tag ``weight_version``)."""
+        found = self.client.search_model_versions(f"name='{self.model_name(rlake_run_id)}'")
+        return {int(mv.tags["weight_version"]) for mv in found if "weight_version" in mv.tags}
+
+    def register_weight_version(self, rlake_run_id: str, weight_version: int,
+                                tags: dict[str, str | int | None]) -> str:
+        """Register weight version ``v`` as a model version; returns the MLflow version number.
+
+        The source is ``runs:/<mlflow run>/checkpoints/vNNNNNN`` (a server refuses a bare local
+        path), where a small ``checkpoint.json`` marker artifact records the tags; the checkpoint
+        folder itself is named in the ``checkpoint`` tag. Idempotent: an already registered
+        version is returned, not registered twice (a resume re-registers what a crash missed).
+        """
+        import json
+
+        name = self.model_name(rlake_run_id)
+        tags = {k: "" if v is None else str(v) for k, v in
+                {"run": rlake_run_id, "weight_version": weight_version, **tags}.items()}
+        for mv in self.client.search_model_versions(f"name='{name}'"):
+            if mv.tags.get("weight_version") == str(weight_version):
+                return mv.version
+        folder = f"checkpoints/v{weight_version:06d}"
+        self.client.log_text(self.run_id, json.dumps(tags, indent=1), f"{folder}/checkpoint.json")
+        if self.client.search_registered_models(f"name='{name}'") == []:
+            self.client.create_registered_model(name, tags={"run": rlake_run_id})
+        mv = self.client.create_model_version(name, f"runs:/{self.run_id}/{folder}",
+                                              run_id=self.run_id, tags=tags)
+        return mv.version
+
+    def logged_steps(self, key: str) -> set[int]:
+        """Steps at which ``key`` was logged in this run (to re-log what a crash lost)."""
+        return {m.step for m in self.client.get_metric_history(self.run_id, key)}

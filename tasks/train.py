@@ -6,6 +6,7 @@ import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from infra.faults import fault_point
 from infra.runtime import Runtime
 from trainers.base import TrainBatch
 
@@ -23,6 +24,7 @@ def publish_weights(rt: Runtime, weight_version: int) -> str:
     """Save weights ``v`` as an HF checkpoint (atomic rename) and hand them to the engine."""
     path = rt.checkpoint_dir(weight_version)
     rt.trainer.save(str(path))
+    fault_point("during_weight_handoff")
     weights = in_process_weights(rt)
     if weights is not None:
         rt.engine.load_state_dict(weights, weight_version)

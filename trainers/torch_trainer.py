@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from infra.config import TrainerConfig
+from infra.faults import fault_point
 from infra.modeling import load_model
 from trainers import algorithms as alg
 from trainers import losses
@@ -323,6 +324,7 @@ class TorchTrainer:
                     "numpy_rng": np.random.get_state()}, tmp / STATE_FILE)
         if self.critic is not None:
             save_critic(tmp / CRITIC_FILE, self.critic, self.critic_optimizer)
+        fault_point("during_checkpoint_save")
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
 

@@ -1,0 +1,131 @@
+"""Scheduled deployments: ``rlake deploy`` records them, ``rlake serve`` serves them.
+
+    rlake deploy CONFIG --name nightly --cron "0 3 * * *"   -> {home}/deployments/nightly.json
+    rlake serve                                              -> Prefect server on 127.0.0.1 (DB in
+                                                                {home}/prefect) + a runner serving
+                                                                every recorded deployment and the
+                                                                built-in lake-maintenance one
+
+A deployment's flow, ``scheduled_run``, starts its rlake run the first time and continues it
+(resume) on later ticks until it is complete; a tick that finds the run owned by a live process
+(the previous tick, ``owner.pid``) does nothing. (Prefect's deployment ``concurrency_limit`` is
+not used: on this loaded machine its lease was lost during provisioning and every run cancelled.) Deployments recorded while ``rlake serve`` runs are picked up at its next start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+from prefect import flow
+
+from buffer import Lake
+from flows.maintenance import lake_maintenance
+from flows.rl import rl_run
+from infra.config import config_from_dict
+from infra.recovery import run_owner
+
+MAINTENANCE = "lake-maintenance"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@flow(name="scheduled_run")
+def scheduled_run(config: dict, run_id: str) -> dict:
+    """Start ``run_id`` if the lake has never seen it, continue it if it is unfinished, else
+    nothing (it is complete)."""
+    cfg = config_from_dict(config)
+    row = Lake(cfg.resolved_lake_uri, cfg.storage_options or None).get_run(run_id)
+    if row is not None and row["status"] == "completed":
+        return {"run_id": run_id, "status": "completed", "action": "none"}
+    owner = run_owner(Path(cfg.home).resolve() / "runs" / run_id)
+    if owner is not None:  # the previous tick is still at it
+        return {"run_id": run_id, "status": "running", "action": f"none (process {owner} runs it)"}
+    summary = rl_run(config, run_id=run_id, resume=row is not None)
+    return {**summary, "action": "resumed" if row is not None else "started"}
+
+
+def spec_dir(home: str | Path) -> Path:
+    return Path(home).resolve() / "deployments"
+
+
+def save_spec(home: str | Path, name: str, config: dict, run_id: str, cron: str | None,
+              interval: float | None) -> Path:
+    """Record a deployment (one JSON file per name); exactly one of cron / interval."""
+    if not NAME_RE.match(name):
+        raise ValueError(f"--name '{name}': use letters, digits, '-', '_' or '.' (max 64)")
+    if name == MAINTENANCE:
+        raise ValueError(f"--name '{name}' is the built-in maintenance deployment")
+    if (cron is None) == (interval is None):
+        raise ValueError("give exactly one of --cron EXPR or --interval SECONDS")
+    if interval is not None and interval <= 0:
+        raise ValueError(f"--interval must be > 0 seconds, got {interval}")
+    if cron is not None:
+        from prefect.client.schemas.schedules import CronSchedule
+
+        try:
+            CronSchedule(cron=cron)
+        except ValueError:
+            raise ValueError(f"--cron '{cron}' is not a valid cron expression") from None
+    path = spec_dir(home) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"name": name, "config": config, "run_id": run_id, "cron": cron,
+                                "interval": interval}, indent=1))
+    return path
+
+
+def load_specs(home: str | Path) -> list[dict]:
+    folder = spec_dir(home)
+    out = []
+    for path in sorted(folder.glob("*.json")) if folder.exists() else []:
+        try:
+            out.append(json.loads(path.read_text()))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON: {err}") from None
+    return out
+
+
+def build_deployments(home: str | Path, maintenance_interval: float | None):
+    """RunnerDeployments for every recorded spec, plus lake maintenance (None: not served)."""
+    deployments = []
+    for spec in load_specs(home):
+        # not the rlake-run tag: a resume marks RUNNING flow runs with that tag Crashed, and the
+        # tick's own flow run is RUNNING while it resumes
+        deployments.append(scheduled_run.to_deployment(
+            name=spec["name"], cron=spec["cron"], interval=spec["interval"],
+            parameters={"config": spec["config"], "run_id": spec["run_id"]}, tags=["rlake", f"rlake-deployment:{spec['run_id']}"]))
+    if maintenance_interval:
+        lake_uri = str(Path(home).resolve() / "lake")
+        deployments.append(lake_maintenance.to_deployment(
+            name=MAINTENANCE, interval=maintenance_interval, parameters={"lake_uri": lake_uri},
+            tags=["rlake"]))
+    return deployments
+
+
+def serve_forever(home: str | Path, api_url: str, maintenance_interval: float | None,
+                  limit: int = 1) -> None:
+    """Serve the deployments against ``api_url`` until SIGTERM / Ctrl-C (then return).
+
+    At most ``limit`` flow runs execute at once (each is a process that loads the stack): ticks
+    that come due meanwhile wait their turn instead of piling up processes."""
+    from prefect import serve
+
+    os.environ["PREFECT_API_URL"] = api_url
+    # flow runs execute in subprocesses that import flows/*.py: they need this checkout importable
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
+                                               if p)
+
+    def stop(signum, frame):  # noqa: ARG001 - signal handler signature
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    deployments = build_deployments(home, maintenance_interval)
+    if not deployments:
+        raise ValueError("nothing to serve: no deployments recorded and maintenance is off")
+    try:
+        serve(*deployments, print_starting_message=True, limit=limit)
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,90 @@
+"""Resume support for the run flow: reuse what the lake already holds, repair what a crash left.
+
+The durability order of an iteration (flows/rl.py) is
+
+    lake append -> train -> checkpoint save (atomic rename) -> train_steps row (THE commit)
+    -> MLflow metrics + model version -> evaluation
+
+so after ``kill -9`` the lake says exactly how far the run got: iterations with a train_steps row
+are done; an iteration whose trajectories are in the lake but not consumed is re-trained from them
+(``recorded_samples``), never regenerated; what comes after the commit (MLflow, registry) is
+re-done by ``recover`` if missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from infra.recovery import mark_crashed, orphan_servers, stop_processes
+from infra.runtime import Runtime
+from rollout.sample import Sample
+
+
+def recorded_samples(rt: Runtime, iteration: int, base_version: int) -> list[Sample] | None:
+    """The iteration's trajectories if a previous process committed them but did not train on
+    them (checked for the first iteration of a process only; later ones cannot have any)."""
+    if iteration != rt.start_iteration:
+        return None
+    rows = rt.lake.training_slice(rt.run_id, base_version, base_version).to_pylist()
+    rows = [r for r in rows if r["iteration"] == iteration]
+    if not rows:
+        return None
+    rows.sort(key=lambda r: r["sample_index"])
+    rt.report("reuse", {"iteration": iteration, "samples": len(rows)})
+    return [Sample.from_row(r) for r in rows]
+
+
+def register_version(rt: Runtime, version: int, iteration: int | None, lake_version: int | None,
+                     n_samples: int) -> None:
+    """Weight version ``version`` as an MLflow model version with its lineage tags."""
+    rt.tracker.register_weight_version(rt.run_id, version, {
+        "iteration": "sft" if iteration is None else iteration, "lake_version": lake_version,
+        "sample_count": n_samples, "checkpoint": str(rt.checkpoint_dir(version))})
+
+
+def relog_missing_metrics(rt: Runtime) -> list[int]:
+    """Re-log to MLflow the metrics of committed iterations a crash kept from being logged (the
+    train_steps row holds them: ``metrics`` and ``timings`` JSON). Returns those iterations."""
+    steps = rt.lake.read("train_steps", run_id=rt.run_id,
+                         columns=["iteration", "metrics", "timings"]).to_pylist()
+    logged = rt.tracker.logged_steps("weight_version")
+    missing = [s for s in steps if s["iteration"] not in logged]
+    for s in missing:
+        metrics = json.loads(s["metrics"] or "{}")
+        timings = json.loads(s["timings"] or "{}")
+        rt.tracker.log_metrics({**metrics, **{f"time/{k}": v for k, v in timings.items()}},
+                               s["iteration"])
+    return sorted(s["iteration"] for s in missing)
+
+
+def register_missing_versions(rt: Runtime) -> list[int]:
+    """Register committed weight versions missing from the MLflow registry."""
+    done = rt.tracker.registered_weight_versions(rt.run_id)
+    steps = rt.lake.read("train_steps", run_id=rt.run_id,
+                         columns=["iteration", "weight_version", "lake_version", "n_samples"]).to_pylist()
+    added = []
+    if 0 not in done and rt.checkpoint_dir(0).exists():
+        register_version(rt, 0, None, None, 0)
+        added.append(0)
+    for s in steps:
+        if s["weight_version"] not in done:
+            register_version(rt, s["weight_version"], s["iteration"], s["lake_version"],
+                             s["n_samples"] or 0)
+            added.append(s["weight_version"])
+    return added
+
+
+def recover(rt: Runtime, own_flow_run: str | None) -> dict:
+    """After a crash: stop the dead process's Prefect server, mark its flow runs Crashed, and
+    re-do the post-commit work it lost (MLflow metrics, model versions). Returns what it did."""
+    done = {"stopped_servers": [], "crashed_flow_runs": [], "relogged": [], "registered": []}
+    home = os.environ.get("PREFECT_HOME")
+    if home:
+        done["stopped_servers"] = stop_processes(orphan_servers(home))
+    done["crashed_flow_runs"] = mark_crashed(rt.run_id, exclude={own_flow_run} if own_flow_run else None)
+    done["relogged"] = relog_missing_metrics(rt)
+    done["registered"] = register_missing_versions(rt)
+    rt.tracker.set_tags({"rlake.last_resume": json.dumps(done)})
+    rt.report("recovered", done)
+    return done

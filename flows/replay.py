@@ -1,0 +1,154 @@
+"""Offline replay: a new run that trains on a source run's recorded trajectories, no generation.
+
+    rl_replay(source, iterations A:B, rescore RM):
+      starting policy: the source's checkpoint of the first replayed base version if it is still
+                       on disk, else the same SFT warm-up as the source (seeded: the same v0)
+      for j, source iteration i in enumerate(A..B-1):
+        replay_iteration: copy the source rows of iteration i under this run (iteration j,
+                          metadata.source_sample_uid), rescored with RM when given
+                          -> train (off-policy corrections as configured: the recorded
+                          rollout_logprobs are the behaviour policy, e.g. use_tis)
+                          -> checkpoint, train_steps row, MLflow, model version
+
+The replay is a run of its own: ``runs.replay_of`` / ``parent_run_id`` name the source, and so does
+the MLflow tag ``rlake.replay_of``. With ``--rescore`` the new rewards sit in the replay's rows, so
+SQL can join them to the source's on ``metadata.source_sample_uid``.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+from prefect import flow, tags
+from prefect.settings import temporary_settings
+from prefect.utilities.annotations import quote
+
+from flows.rl import FAST_FLOW_SETTINGS, _flat_params, sft_warmup
+from flows.steps import phase, train_and_commit
+from infra.config import config_from_dict
+from infra.recovery import run_tag, tag_current_flow_run
+from infra.runtime import RUNTIMES, Runtime, new_run_id, open_runtime
+from rewards.registry import get_reward_fn
+from rollout.sample import Sample, Status
+from tasks.eval import evaluate
+from tasks.lake import write_trajectories
+from tasks.replay import read_replay_slice, read_source_trajectories
+from tasks.rollout import score
+from tasks.train import publish_weights
+from trainers.metrics import rollout_metrics
+
+
+def parse_iterations(spec: str | None) -> tuple[int, int | None]:
+    """``"A:B"`` -> (A, B) with A inclusive, B exclusive (Python slice); ``"A:"`` -> (A, None);
+    ``"A"`` -> (A, A + 1); None -> (0, None)."""
+    if not spec:
+        return 0, None
+    first, sep, stop = spec.partition(":")
+    try:
+        a = int(first) if first.strip() else 0
+        b = (int(stop) if stop.strip() else None) if sep else a + 1
+    except ValueError:
+        raise ValueError(f"--iterations '{spec}' must look like A:B (e.g. 0:10)") from None
+    if a < 0 or (b is not None and b <= a):
+        raise ValueError(f"--iterations '{spec}': need 0 <= A < B")
+    return a, b
+
+
+def source_samples(rows: list[dict], source_run: str) -> list[Sample]:
+    """Samples rebuilt from source rows, each remembering its source sample_uid and reward."""
+    out = []
+    for r in rows:
+        s = Sample.from_row(r)
+        s.metadata = {**s.metadata, "source_sample_uid": r["sample_uid"], "source_run": source_run,
+                      "source_reward": r["reward"]}
+        out.append(s)
+    return out
+
+
+@flow(name="replay_iteration")
+def replay_iteration(run_id: str, iteration: int, samples: list[Sample], rescore: bool) -> dict:
+    rt = RUNTIMES[run_id]
+    timings: dict[str, float] = {"generate": 0.0}
+    rt.seed_iteration(iteration)
+    base_version = rt.trainer.weight_version
+    failed = 0
+    if rescore:
+        for s in samples:
+            s.status = Status.COMPLETED if s.finish_reason == "stop" else Status.TRUNCATED
+        with phase(timings, "score"):
+            failed = score(rt, quote(samples))
+    with phase(timings, "lake_write"):
+        write_trajectories(rt, quote(samples), iteration)
+    stats = {**rollout_metrics(samples, 0.0), "rollout/failed": float(failed)}
+    metrics = train_and_commit(rt, iteration, base_version, stats, timings, read_slice=read_replay_slice)
+    if (iteration + 1) % rt.cfg.eval.eval_interval == 0:
+        metrics["eval/accuracy"] = evaluate(rt, iteration + 1)["accuracy"]
+    return metrics
+
+
+def _start_policy(rt: Runtime, source_dir, source_cfg) -> str:
+    """Load the source checkpoint if it still exists, else run the SFT warm-up; publish v0."""
+    if source_dir.exists():
+        rt.trainer.load(str(source_dir))
+        rt.trainer.weight_version = 0
+        publish_weights(rt, 0)
+        return f"checkpoint {source_dir}"
+    if rt.cfg.sft.enabled and rt.cfg.sft.steps > 0:
+        sft_warmup(rt.run_id)
+        return "SFT warm-up (the source's checkpoint was pruned)"
+    publish_weights(rt, 0)
+    return "base model"
+
+
+@flow(name="rl_replay")
+def rl_replay(source_run: str, config: dict, run_id: str | None = None, iterations: str | None = None,
+              rescore: str | None = None) -> dict:
+    """Replay ``source_run``'s trajectories (``iterations`` A:B) into a new run; see the module doc."""
+    with temporary_settings(updates=FAST_FLOW_SETTINGS):
+        cfg = config_from_dict(config)
+        run_id = run_id or new_run_id()
+        first, stop = parse_iterations(iterations)
+        rt = open_runtime(cfg, run_id)
+        if rescore:  # an rm_type name, or a module:function path
+            rt.reward_fn = get_reward_fn(rescore, rescore if ":" in rescore else None)
+        rt.tracker.start(run_id, params=cfg and _flat_params(cfg),
+                         tags={"rlake.run_id": run_id, "rlake.replay_of": source_run,
+                               "rlake.replay_iterations": iterations or "all",
+                               "rlake.rescore": rescore or ""})
+        note = {"iterations": iterations or "all", "rescore": rescore}
+        row = {"run_id": run_id, "config": cfg.model_dump_json(), "mlflow_run_id": rt.tracker.run_id,
+               "replay_of": source_run, "parent_run_id": source_run, "notes": json.dumps(note),
+               "updated_at": datetime.now(UTC)}
+        rt.lake.upsert_run({**row, "status": "running"})
+        tag_current_flow_run(run_id)
+        try:
+            with tags(run_tag(run_id)):
+                source = read_source_trajectories(rt, source_run, first, stop).to_pylist()
+                if not source:
+                    raise ValueError(f"run '{source_run}' has no train trajectories in iterations "
+                                     f"{iterations or 'all'}")
+                by_iter: dict[int, list[dict]] = {}
+                for r in source:
+                    by_iter.setdefault(r["iteration"], []).append(r)
+                base = min(r["weight_version"] for r in by_iter[min(by_iter)])
+                src_ckpt = rt.home / "runs" / source_run / "checkpoints" / f"v{base:06d}"
+                rt.tracker.set_tags({"rlake.replay_start": _start_policy(rt, src_ckpt, cfg)})
+                evaluate(rt, 0)
+                for j, it in enumerate(sorted(by_iter)):
+                    samples = source_samples(by_iter[it], source_run)
+                    metrics = replay_iteration(run_id, j, quote(samples), rescore is not None)
+                    rt.report("iteration", {"iteration": j, **metrics})
+                if len(by_iter) % rt.cfg.eval.eval_interval:
+                    evaluate(rt, len(by_iter))
+            rt.lake.upsert_run({**row, "status": "completed", "updated_at": datetime.now(UTC)})
+            rt.tracker.finish("FINISHED")
+        except BaseException:
+            rt.lake.upsert_run({**row, "status": "failed", "updated_at": datetime.now(UTC)})
+            rt.tracker.finish("FAILED")
+            raise
+        finally:
+            rt.engine.shutdown()
+            RUNTIMES.pop(run_id, None)
+        return {"run_id": run_id, "replay_of": source_run, "iterations": len(by_iter),
+                "home": str(rt.home), "lake_uri": cfg.resolved_lake_uri, "mlflow_uri": rt.tracker.uri}

@@ -1,0 +1,77 @@
+"""The second half of an iteration, shared by ``rl_iteration`` and ``replay_iteration``:
+
+    read slice -> train -> save + publish (checkpoint, engine) -> train_steps row (THE commit)
+    -> MLflow metrics -> model version (lineage)
+
+The named fault points (infra/faults.py) sit between the steps.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import pyarrow as pa
+
+from flows.durability import register_version
+from infra.faults import fault_point
+from infra.runtime import Runtime
+from tasks.lake import read_training_slice, record_train_step
+from tasks.train import log_metrics, publish_weights, train
+from trainers.metrics import staleness
+
+STEP_METRICS = ("pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "grad_norm")
+
+
+@contextmanager
+def phase(timings: dict[str, float], name: str):
+    start = time.perf_counter()
+    yield
+    timings[name] = time.perf_counter() - start
+
+
+def train_step_row(rt: Runtime, iteration: int, base_version: int, new_version: int,
+                   lake_version: int, training_slice: pa.Table, train_metrics: dict[str, float],
+                   metrics: dict[str, float], timings: dict[str, float]) -> dict:
+    """The ``train_steps`` row of one iteration (step = iteration)."""
+    return {
+        "run_id": rt.run_id, "step": iteration, "iteration": iteration,
+        "base_version": base_version, "weight_version": new_version, "lake_version": lake_version,
+        "sample_uids": training_slice.column("sample_uid").to_pylist(),
+        "n_samples": training_slice.num_rows,
+        "n_response_tokens": int(sum(len(x) for x in training_slice.column("response_token_ids").to_pylist())),
+        **{k: train_metrics.get(k) for k in STEP_METRICS},
+        "entropy": train_metrics.get("entropy_loss"),
+        "staleness_min": metrics["staleness/min"], "staleness_mean": metrics["staleness/mean"],
+        "staleness_max": metrics["staleness/max"],
+        "metrics": json.dumps(metrics), "timings": json.dumps(timings)}
+
+
+def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_stats: dict[str, float],
+                     timings: dict[str, float],
+                     read_slice: Callable[[Runtime, int], tuple[pa.Table, int]] = read_training_slice,
+                     ) -> dict[str, float]:
+    """Train on the slice ``read_slice(rt, base_version)`` and commit the new version; returns
+    the iteration's metrics (rollout_stats + train/* + staleness/* + weight_version)."""
+    with phase(timings, "slice_read"):
+        training_slice, lake_version = read_slice(rt, base_version)
+    with phase(timings, "train"):
+        train_metrics = train(rt, training_slice)
+    fault_point("during_train")
+    new_version = rt.trainer.weight_version
+    with phase(timings, "publish"):
+        publish_weights(rt, new_version)
+    fault_point("after_checkpoint_save")
+    versions = training_slice.column("weight_version").to_pylist()
+    metrics = {**rollout_stats, **{f"train/{k}": v for k, v in train_metrics.items()},
+               **staleness(base_version, versions), "weight_version": float(new_version)}
+    with phase(timings, "record"):
+        record_train_step(rt, train_step_row(rt, iteration, base_version, new_version, lake_version,
+                                             training_slice, train_metrics, metrics, timings))
+        rt.prune_checkpoints(keep_version=new_version)  # new_version is committed now
+        fault_point("during_mlflow_log")
+        log_metrics(rt, {**metrics, **{f"time/{k}": v for k, v in timings.items()}}, iteration)
+        register_version(rt, new_version, iteration, lake_version, training_slice.num_rows)
+    return metrics

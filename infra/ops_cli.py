@@ -1,0 +1,149 @@
+"""Operations commands of the ``rlake`` CLI: replay, lineage, report, deploy, serve.
+
+``register(app)`` adds them to the Typer app of ``infra.cli`` (passed in, so ``python -m infra.cli``
+registers on the app it runs).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from rich.console import Console
+
+from infra.config import ConfigError, apply_overrides, config_from_dict
+
+console = Console()
+HomeOpt = Annotated[str, typer.Option("--home", help="state folder (lake, MLflow, checkpoints)")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override: key.sub=value")]
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``, recursively for nested mappings (lists and scalars replace)."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(
+            out.get(key), dict) else value
+    return out
+
+
+def _yaml_mapping(path: Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of config keys")
+    return data
+
+
+def _lake(home: str, lake_uri: str | None):
+    from buffer import Lake
+
+    return Lake(lake_uri or str(Path(home) / "lake"))
+
+
+def register(app: typer.Typer) -> None:  # noqa: C901 - one nested function per command
+    @app.command()
+    def replay(source_run: str, home: HomeOpt = "./rlake-home",
+               iterations: Annotated[str | None, typer.Option("--iterations", help="A:B (B exclusive)")] = None,
+               rescore: Annotated[str | None, typer.Option("--rescore", help="reward fn (rm_type) to score again")] = None,
+               config: Annotated[Path | None, typer.Option("--config", help="YAML merged over the source's config")] = None,
+               set_: SetOpt = None, run_id: Annotated[str | None, typer.Option("--run-id")] = None) -> None:
+        """Train a new run from SOURCE_RUN's recorded trajectories (no generation)."""
+        row = _lake(home, None).get_run(source_run)
+        if row is None:
+            raise ValueError(f"no run '{source_run}' in the lake under {home}")
+        data = deep_merge(json.loads(row["config"]), _yaml_mapping(config))
+        data = apply_overrides({**data, "home": home, "run_id": None}, set_ or [])
+        cfg = config_from_dict(data)
+        from infra.env import configure_environment
+
+        configure_environment(cfg.home, cfg.torch_threads)
+        from flows.replay import rl_replay
+
+        console.print(f"[dim]replaying {source_run} (iterations {iterations or 'all'})[/]")
+        summary = rl_replay(source_run, cfg.model_dump(), run_id=run_id, iterations=iterations,
+                            rescore=rescore)
+        console.print(f"replay run [bold]{summary['run_id']}[/] of {source_run}: "
+                      f"{summary['iterations']} iterations trained")
+        console.print(f"  rlake report {summary['run_id']} --home {home} --out report.html")
+
+    @app.command()
+    def lineage(run_id: str, version: Annotated[int, typer.Option("--version", help="weight version")],
+                home: HomeOpt = "./rlake-home", samples: Annotated[int, typer.Option("--samples")] = 10,
+                lake_uri: Annotated[str | None, typer.Option("--lake-uri")] = None,
+                as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+        """Which iterations and samples trained weight version V, and which versions generated them."""
+        from infra.lineage import format_lineage, version_lineage
+
+        info = version_lineage(_lake(home, lake_uri), run_id, version)
+        if as_json:
+            print(json.dumps(info, default=str))
+            return
+        for line in format_lineage(info, run_id, samples):
+            console.print(line, highlight=False)
+
+    @app.command()
+    def report(run_id: str, out: Annotated[Path, typer.Option("--out")] = Path("report.html"),
+               home: HomeOpt = "./rlake-home",
+               lake_uri: Annotated[str | None, typer.Option("--lake-uri")] = None) -> None:
+        """HTML report + PNG figures of a run, from the lake."""
+        from infra.report import write_report
+
+        for path in write_report(_lake(home, lake_uri), run_id, out):
+            console.print(f"wrote {path}")
+
+    @app.command()
+    def deploy(config: Annotated[Path, typer.Argument(help="YAML config")],
+               name: Annotated[str, typer.Option("--name")],
+               cron: Annotated[str | None, typer.Option("--cron")] = None,
+               interval: Annotated[float | None, typer.Option("--interval", help="seconds")] = None,
+               run_id: Annotated[str | None, typer.Option("--run-id", help="default: the name")] = None,
+               set_: SetOpt = None) -> None:
+        """Record a deployment that starts, then continues, a run on a schedule (served by `rlake serve`)."""
+        from infra.config import load_config
+
+        cfg = load_config(config, set_ or [])
+        from flows.deployments import save_spec
+
+        run = run_id or cfg.run_id or name
+        path = save_spec(cfg.home, name, cfg.model_dump(), run, cron, interval)
+        when = f"cron '{cron}'" if cron else f"every {interval:g} s"
+        console.print(f"deployment [bold]{name}[/] (run {run}, {when}) recorded in {path}")
+        console.print(f"serve it: rlake serve --home {cfg.home}   (restart a running serve to pick it up)")
+
+    @app.command()
+    def serve(home: HomeOpt = "./rlake-home",
+              maintenance_interval: Annotated[float, typer.Option(
+                  "--maintenance-interval", help="seconds between lake compact+vacuum (0: off)")] = 6 * 3600,
+              port: Annotated[int | None, typer.Option("--port")] = None,
+              limit: Annotated[int, typer.Option("--limit", help="flow runs at once")] = 1) -> None:
+        """Start (or reuse) a Prefect server on 127.0.0.1 for HOME and serve rlake's deployments."""
+        import os
+
+        from infra.env import configure_environment
+        from infra.prefect_server import ensure_server, server_info, stop_server
+
+        configure_environment(home)
+        started = server_info(home) is None
+        url = ensure_server(home, port)
+        # Prefect reads its settings once, at import: point it at the server before importing it
+        # (else it would start an embedded server of its own)
+        os.environ["PREFECT_API_URL"] = url
+        from flows.deployments import serve_forever
+
+        console.print(f"Prefect server: {url} ({'started' if started else 'already running'})")
+        try:
+            serve_forever(home, url, maintenance_interval or None, limit)
+        finally:
+            if started:
+                stop_server(home)
+                console.print("Prefect server stopped")

@@ -1,0 +1,61 @@
+"""Helpers for the operations tests: run the real CLI in a subprocess on a tiny config."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--set", "sft.steps=10", "--set", "sft.batch_size=16", "--set", "rollout.rollout_batch_size=4",
+        "--set", "rollout.n_samples_per_prompt=4", "--set", "data.held_out_size=8",
+        "--set", "model.tiny.hidden_size=32", "--set", "model.tiny.intermediate_size=64",
+        "--set", "model.tiny.num_hidden_layers=1"]
+
+
+def cli_env(api_url: str | None, **extra: str) -> dict[str, str]:
+    """The test process's environment without Prefect/fault settings, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PREFECT_") and k != "RLAKE_FAULT"}
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    env.update(extra)
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def rlake(args: list[str], env: dict[str, str], log: Path, timeout: float = 900,
+          background: bool = False) -> subprocess.CompletedProcess | subprocess.Popen:
+    """``python -m infra.cli ARGS`` from the repository root (this checkout's code).
+
+    Output goes to ``log``, not to a pipe: after a kill -9 the dead process's embedded Prefect
+    server still holds its stdout, and reading a pipe would wait for that server to exit."""
+    cmd = [sys.executable, "-m", "infra.cli", *args]
+    with open(log, "w") as out:
+        if background:
+            return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                              timeout=timeout)
+
+
+def tail(log: Path) -> str:
+    return Path(log).read_text()[-3000:]
+
+
+def length_reward(response: str, label: str | None, metadata: dict) -> float:
+    """A second reward function for --rescore tests: response length / 10."""
+    return len(response) / 10
+
+
+def pids_with_env(key: str, value: str) -> list[int]:
+    """Live processes whose start-up environment has ``key=value`` (read from /proc)."""
+    from infra.recovery import _environ, pid_alive
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            pid = int(entry.name)
+            if _environ(pid).get(key) == value and pid_alive(pid):
+                found.append(pid)
+    return sorted(found)

@@ -1,0 +1,88 @@
+"""`rlake deploy` + `rlake serve`: a deployment on a short interval produces a completed flow run
+(and so does the built-in lake-maintenance deployment); then everything started is stopped."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import yaml
+
+from buffer import Lake
+from infra.recovery import pid_alive, stop_processes
+from tests.opshelp import ROOT, TINY, cli_env, pids_with_env, rlake, tail
+
+DEADLINE_S = 480
+
+
+def _completed_by_deployment(url: str) -> dict[str, list[str]]:
+    from prefect import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    out: dict[str, list[str]] = {}
+    # settings, not os.environ: Prefect may already be imported (its settings read at import)
+    with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+        names = {d.id: d.name for d in client.read_deployments()}
+        for fr in client.read_flow_runs():
+            if fr.deployment_id in names:
+                out.setdefault(names[fr.deployment_id], []).append(fr.state_type.value)
+    return out
+
+
+def test_deploy_interval_then_serve_runs_it_and_stops_cleanly(tmp_path):
+    home = tmp_path / "home"
+    overrides = dict(item.split("=", 1) for item in TINY[1::2])
+    cfg = {"home": str(home), "num_rollout": 2, "eval": {"eval_interval": 2}}
+    for key, value in overrides.items():
+        node = cfg
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(cfg))
+    log = tmp_path / "deploy.log"
+    proc = rlake(["deploy", str(tmp_path / "tiny.yaml"), "--name", "tiny", "--interval", "20"],
+                 cli_env(None), log)
+    assert proc.returncode == 0, tail(log)
+    spec = json.loads((home / "deployments" / "tiny.json").read_text())
+    assert (spec["run_id"], spec["interval"]) == ("tiny", 20.0)
+    bad = rlake(["deploy", str(tmp_path / "tiny.yaml"), "--name", "x"], cli_env(None), tmp_path / "bad.log")
+    assert bad.returncode == 1 and "exactly one of --cron" in (tmp_path / "bad.log").read_text()
+
+    prefect_home = str((home / "prefect").resolve())
+    serve_log = open(tmp_path / "serve.log", "w")
+    serve = subprocess.Popen([sys.executable, "-m", "infra.cli", "serve", "--home", str(home),
+                              "--maintenance-interval", "20"], cwd=ROOT,
+                             env=cli_env(None, PREFECT_HOME=prefect_home), stdout=serve_log,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        states: dict[str, list[str]] = {}
+        while time.monotonic() < deadline:
+            assert serve.poll() is None, tail(tmp_path / "serve.log")
+            info = home / "prefect" / "server.json"
+            if info.exists():
+                states = _completed_by_deployment(json.loads(info.read_text())["url"])
+                if all("COMPLETED" in states.get(n, []) for n in ("tiny", "lake-maintenance")):
+                    break
+            time.sleep(3)
+        assert "COMPLETED" in states.get("tiny", []), (states, tail(tmp_path / "serve.log"))
+        assert "COMPLETED" in states.get("lake-maintenance", []), states
+        run = Lake(str(home / "lake")).get_run("tiny")
+        assert run["status"] == "completed"
+        server_pid = json.loads((home / "prefect" / "server.json").read_text())["pid"]
+        assert pid_alive(server_pid)
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        try:
+            serve.wait(timeout=90)
+        finally:
+            leftovers = pids_with_env("PREFECT_HOME", prefect_home)
+            stop_processes(leftovers + ([serve.pid] if serve.poll() is None else []))
+            serve_log.close()
+    assert serve.returncode is not None
+    assert not pid_alive(server_pid), "the Prefect server outlived `rlake serve`"
+    assert leftovers == [], f"processes left running: {leftovers}"

@@ -1,0 +1,146 @@
+"""kill -9 at every named fault point in turn, resume each time, and check what the lake, MLflow and
+Prefect say afterwards; with ``deterministic: true`` the final weights must equal, bit for bit,
+those of an uninterrupted run with the same seed.
+
+One run crashes at point k during iteration k (k = 0..6) and is resumed after each crash; a
+reference run goes uninterrupted (concurrently). The CLI runs in subprocesses against one shared
+Prefect server (the server start dominates otherwise), except the first process, which uses its
+own embedded server so that resume has a real orphaned server to stop.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from infra.faults import POINTS
+from infra.prefect_server import ensure_server, stop_server
+from infra.recovery import pid_alive, prefect_servers, run_tag
+from tests.opshelp import TINY, cli_env, rlake, tail
+
+N_ITER = len(POINTS) + 1
+EVAL_INTERVAL = 7  # evals after iterations 7 (= the during_mlflow_log crash) and 8
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    home = tmp_path_factory.mktemp("resume-home")
+    url = ensure_server(home)
+    yield home, url
+    stop_server(home)
+
+
+def _args(home, run_id):
+    return ["run", "--set", f"home={home}", "--set", f"run_id={run_id}", "--set", f"num_rollout={N_ITER}",
+            "--set", f"eval.eval_interval={EVAL_INTERVAL}", "--set", "deterministic=true",
+            "--set", "keep_checkpoints=1", *TINY]
+
+
+def _lake_invariants(home, run_id):
+    from buffer import Lake
+
+    lake = Lake(str(home / "lake"))
+    traj = lake.read("trajectories", run_id=run_id,
+                     columns=["sample_uid", "iteration", "kind", "weight_version",
+                              "response_token_ids", "rollout_logprobs"]).to_pylist()
+    uids = [r["sample_uid"] for r in traj]
+    assert len(uids) == len(set(uids)), "duplicate sample_uid"
+    train = [r for r in traj if r["kind"] == "train"]
+    assert sorted({r["iteration"] for r in train}) == list(range(N_ITER))
+    assert all(sum(r["iteration"] == i for r in train) == 16 for i in range(N_ITER))
+    steps = sorted(lake.read("train_steps", run_id=run_id).to_pylist(), key=lambda r: r["step"])
+    assert [s["step"] for s in steps] == list(range(N_ITER)), "train_steps not consecutive"
+    assert [(s["base_version"], s["weight_version"]) for s in steps] == [(i, i + 1) for i in range(N_ITER)]
+    consumed = [u for s in steps for u in s["sample_uids"]]
+    assert sorted(consumed) == sorted(r["sample_uid"] for r in train), "a sample trained twice or never"
+    evals = {e["weight_version"] for e in lake.read("evals", run_id=run_id).to_pylist()}
+    assert evals == {0, EVAL_INTERVAL, N_ITER}
+    run = lake.get_run(run_id)
+    assert run["status"] == "completed"
+    return run, {(r["iteration"], r["sample_uid"].rsplit("/", 1)[1]): r for r in train}
+
+
+def _mlflow_invariants(home, run_id, mlflow_run_id):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{home}/mlflow/mlflow.db")
+    exp = client.get_experiment_by_name("rlake")
+    runs = client.search_runs([exp.experiment_id], f"tags.`rlake.run_id` = '{run_id}'")
+    assert [r.info.run_id for r in runs] == [mlflow_run_id], "one MLflow run, continued"
+    assert runs[0].info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(mlflow_run_id, "weight_version")]
+    assert sorted(steps) == list(range(N_ITER)), "every iteration logged exactly once"
+    versions = client.search_model_versions(f"name='rlake-{run_id}'")
+    registered = sorted(int(v.tags["weight_version"]) for v in versions)
+    assert registered == list(range(N_ITER + 1)), "each weight version registered once"
+    for v in versions:
+        assert v.source.startswith(f"runs:/{mlflow_run_id}/checkpoints/")
+        assert {"run", "iteration", "lake_version", "sample_count", "checkpoint"} <= set(v.tags)
+    # the last crash (during_mlflow_log, iteration N-2) committed the step but lost its metrics
+    # and model version: the final resume re-logged and registered exactly those
+    resume_note = json.loads(runs[0].data.tags["rlake.last_resume"])
+    assert list(POINTS)[-1] == "during_mlflow_log"
+    assert (resume_note["relogged"], resume_note["registered"]) == ([N_ITER - 2], [N_ITER - 1])
+
+
+def _prefect_invariants(api_url, run_id):
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    # settings, not os.environ: Prefect may already be imported (its settings read at import)
+    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            tags=FlowRunFilterTags(all_=[run_tag(run_id)])))
+    states = [(fr.name, fr.state_type.value) for fr in runs]
+    assert not [s for s in states if s[1] in ("RUNNING", "PENDING")], states
+    flows = {fr.flow_id for fr in runs}
+    assert len(flows) >= 2
+    crashed = [fr for fr in runs if fr.state_type.value == "CRASHED"]
+    # each crash leaves the run flow and the iteration flow it was in
+    assert len(crashed) == 2 * len(POINTS), states
+
+
+def test_kill9_at_every_point_then_resume(shared, tmp_path):
+    home, url = shared
+    ref_home = tmp_path / "ref"  # its own lake, MLflow and embedded server: no write contention
+    ref_home.mkdir()
+    ref_log = ref_home / "cli.log"
+    ref = rlake(_args(ref_home, "ref"), cli_env(None), ref_log, background=True)
+    orphans = []
+    for k, point in enumerate(POINTS):
+        first = k == 0
+        args = _args(home, "chain") if first else ["resume", "chain", "--home", str(home)]
+        env = cli_env(None if first else url, RLAKE_FAULT=f"{point}:{k}")
+        log = home / f"crash-{k}.log"
+        proc = rlake(args, env, log)
+        assert proc.returncode == -signal.SIGKILL, f"{point}: {tail(log)}"
+        if first:  # the embedded server of the dead process is still there, parentless
+            orphans = prefect_servers(home / "prefect")
+            assert orphans, "expected the killed process's embedded server to survive it"
+        else:
+            assert not [p for p in orphans if pid_alive(p)], "resume left the orphaned server running"
+    done = rlake(["resume", "chain", "--home", str(home)], cli_env(url), home / "final.log")
+    assert done.returncode == 0, tail(home / "final.log")
+    assert ref.wait(timeout=900) == 0, tail(ref_log)
+    assert prefect_servers(home / "prefect") == [], "a Prefect server process was left behind"
+
+    run, chain_rows = _lake_invariants(home, "chain")
+    _, ref_rows = _lake_invariants(ref_home, "ref")
+    assert chain_rows.keys() == ref_rows.keys()
+    for key, row in ref_rows.items():  # same prompts, same RNG draws: same trajectories
+        assert chain_rows[key]["response_token_ids"] == row["response_token_ids"], key
+        assert chain_rows[key]["rollout_logprobs"] == row["rollout_logprobs"], key
+    _mlflow_invariants(home, "chain", run["mlflow_run_id"])
+    _prefect_invariants(url, "chain")
+
+    ckpt = f"runs/{{}}/checkpoints/v{N_ITER:06d}/model.safetensors"
+    a, b = load_file(home / ckpt.format("chain")), load_file(ref_home / ckpt.format("ref"))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
+    kept = sorted(p.name for p in (home / "runs/chain/checkpoints").iterdir())
+    assert kept == [f"v{N_ITER:06d}"], kept  # keep_checkpoints=1, nothing half-written left
