@@ -25,10 +25,14 @@ def init_distributed(tp_size: int = 1, pp_size: int = 1, seed: int = 1234) -> No
     """Join (or create, single-process) the default process group and megatron's TP/PP/DP groups.
 
     Uses the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) when present,
-    else a world of one on a free local port. Backend: nccl on GPU, gloo on CPU.
+    else a world of one over an in-memory store. Backend: nccl on GPU, gloo on CPU.
     """
     from megatron.core import parallel_state as ps
 
+    if not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
+        # a world of one needs no rendezvous: an in-memory store, no TCP port to race for
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
+                                             rank=0, world_size=1)
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
