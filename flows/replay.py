@@ -17,6 +17,7 @@ SQL can join them to the source's on ``metadata.source_sample_uid``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import UTC, datetime
 
@@ -29,7 +30,7 @@ from flows.steps import phase, train_and_commit
 from infra.config import config_from_dict
 from infra.recovery import run_tag, tag_current_flow_run
 from infra.runtime import RUNTIMES, Runtime, new_run_id, open_runtime
-from rewards.registry import get_reward_fn
+from rewards.registry import Scorer
 from rollout.sample import Sample, Status
 from tasks.eval import evaluate
 from tasks.lake import write_trajectories
@@ -111,7 +112,7 @@ def rl_replay(source_run: str, config: dict, run_id: str | None = None, iteratio
         first, stop = parse_iterations(iterations)
         rt = open_runtime(cfg, run_id)
         if rescore:  # an rm_type name, or a module:function path
-            rt.reward_fn = get_reward_fn(rescore, rescore if ":" in rescore else None)
+            rt.reward_fn = rescorer(rt.cfg, rescore)
         rt.tracker.start(run_id, params=cfg and _flat_params(cfg),
                          tags={"rlake.run_id": run_id, "rlake.replay_of": source_run,
                                "rlake.replay_iterations": iterations or "all",
@@ -152,3 +153,12 @@ def rl_replay(source_run: str, config: dict, run_id: str | None = None, iteratio
             RUNTIMES.pop(run_id, None)
         return {"run_id": run_id, "replay_of": source_run, "iterations": len(by_iter),
                 "home": str(rt.home), "lake_uri": cfg.resolved_lake_uri, "mlflow_uri": rt.tracker.uri}
+
+
+def rescorer(cfg, rescore: str) -> Scorer:
+    """The run's Scorer with its reward replaced: an ``rm_type`` name or a ``module:function``
+    path (slime's ``fn(cfg, sample)`` shape, like ``custom_rm_path``)."""
+    base = Scorer.from_config(cfg)
+    custom = ":" in rescore
+    return dataclasses.replace(base, rm_type=base.rm_type if custom else rescore,
+                               custom_rm_path=rescore if custom else None)

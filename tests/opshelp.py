@@ -43,9 +43,9 @@ def tail(log: Path) -> str:
     return Path(log).read_text()[-3000:]
 
 
-def length_reward(response: str, label: str | None, metadata: dict) -> float:
-    """A second reward function for --rescore tests: response length / 10."""
-    return len(response) / 10
+def length_reward(cfg, sample) -> float:
+    """A second reward function for --rescore tests (custom_rm_path shape): response length / 10."""
+    return len(sample.response) / 10
 
 
 def pids_with_env(key: str, value: str) -> list[int]:
