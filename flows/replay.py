@@ -75,8 +75,9 @@ def replay_iteration(run_id: str, iteration: int, samples: list[Sample], rescore
     base_version = rt.trainer.weight_version
     failed = 0
     if rescore:
-        for s in samples:
+        for s in samples:  # score() only scores samples without a reward
             s.status = Status.COMPLETED if s.finish_reason == "stop" else Status.TRUNCATED
+            s.reward, s.reward_detail = None, {}
         with phase(timings, "score"):
             failed = score(rt, quote(samples))
     with phase(timings, "lake_write"):
