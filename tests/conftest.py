@@ -46,3 +46,15 @@ def warm_model(tmp_path_factory):
     checkpoint = home / "runs" / "warmup" / "checkpoints" / "v000000"
     assert (checkpoint / "config.json").exists(), proc.stdout[-2000:]
     return {"home": home, "run_id": "warmup", "checkpoint": checkpoint, "proc": proc}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A 1-layer, hidden-32 Qwen2 + char tokenizer (random init): (path, tokenizer)."""
+    from infra.config import TinyModelConfig
+    from infra.modeling import build_tiny_model, load_tokenizer
+
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=64), seed=0)
+    return path, load_tokenizer(path)

@@ -8,8 +8,7 @@ import json
 import pytest
 import torch
 
-from infra.config import ConfigError, TinyModelConfig, load_config
-from infra.modeling import build_tiny_model, load_tokenizer
+from infra.config import ConfigError, load_config
 from rollout.context import RolloutContext
 from rollout.data import PromptDataset
 from rollout.engine import SamplingParams
@@ -20,13 +19,6 @@ from trainers.algorithms import pass_at_k
 
 torch.set_num_threads(1)
 HELD = [{"prompt": f"{a}+1=", "label": str(a + 1), "metadata": {}} for a in range(10, 16)]
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelConfig(
-        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=64), seed=0)
-    return path, load_tokenizer(path)
 
 def _ctx(tiny, cfg):
     path, tok = tiny

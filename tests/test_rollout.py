@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from buffer import Lake
-from infra.config import TinyModelConfig, load_config
-from infra.modeling import build_tiny_model, load_tokenizer
+from infra.config import load_config
 from rewards.registry import Scorer
 from rollout.context import RolloutContext
 from rollout.data import PromptDataset
@@ -24,13 +23,6 @@ from rollout.torch_engine import TorchEngine
 torch.set_num_threads(1)
 RECORDS = [{"prompt": f"{a}+{a}=", "label": str(2 * a), "metadata": {"a": a}} for a in range(10, 40)]
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelConfig(
-        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=64), seed=0)
-    return path, load_tokenizer(path)
 
 
 def _ctx(tiny, overrides, stop_half=False, lake=None, max_new=8) -> RolloutContext:
