@@ -15,6 +15,7 @@ for 512 rows) plus ~1-3 ms for the key check. An interrupted writer leaves only 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -32,6 +33,7 @@ from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundErr
 from buffer.schema import KEYS, PARTITIONS, SCHEMA_VERSION, SCHEMA_VERSION_KEY, arrow_schema
 
 MAX_ATTEMPTS = 200
+GUARDS_KEY = "rlake.guards"
 ROW_GROUP_SIZE = 2048
 # delta-rs lists files slowly from JSON commits (~1-2 ms per commit since the last checkpoint, per
 # call) and fast from a checkpoint: checkpoint often, and reopen cached tables after as many commits.
@@ -265,6 +267,7 @@ def guarded_append(
     guards: list[str],
     prune: list[Condition],
     row_filter: pc.Expression,
+    commit_info: dict[str, str] | None = None,
 ) -> int | None:
     """Append the rows of ``data`` whose key is absent, exactly once, even under concurrency.
 
@@ -275,6 +278,8 @@ def guarded_append(
     the same guard id makes ours fail with ``CommitFailedError``; we then re-read and re-check.
     Guards name the batch's key scope (e.g. ``trajectories/{run_id}/{iteration}``), so writers
     of different scopes never conflict. Returns the committed version, or None if nothing was new.
+    The commit's custom metadata names the guards (``rlake.guards``, JSON) and adds
+    ``commit_info``: what must be durable together with the rows (see ``find_commit_info``).
     """
     keys = KEYS[name]
     last: Exception | None = None
@@ -288,7 +293,8 @@ def guarded_append(
         stamp = time.time_ns()
         txns = [Transaction(g, stamp) for g in guards]
         props = CommitProperties(custom_metadata={"rlake.operation": f"append_{name}",
-                                                  "rlake.rows": new.num_rows},
+                                                  "rlake.rows": new.num_rows,
+                                                  GUARDS_KEY: json.dumps(guards), **(commit_info or {})},
                                  app_transactions=txns)
         try:
             write_deltalake(dt, new, mode="append", schema_mode="merge", commit_properties=props)
@@ -298,6 +304,22 @@ def guarded_append(
             continue
         return dt.version()
     raise RuntimeError(f"{name}: gave up after {MAX_ATTEMPTS} conflicting commits: {last}")
+
+
+def find_commit_info(dt: DeltaTable, guard: str, page: int = 100) -> dict | None:
+    """The custom metadata of the newest commit whose ``rlake.guards`` name ``guard``, or None
+    (never written, or its log entry is past the table's log retention). Reads the log newest
+    first, ``page`` commits at a time: cheap when the commit is recent (a resume)."""
+    newest = dt.version()
+    limit = page
+    while True:
+        history = dt.history(limit)
+        for entry in history:
+            if guard in json.loads(entry.get(GUARDS_KEY) or "[]"):
+                return entry
+        if len(history) < limit or limit > newest:
+            return None
+        limit *= 4
 
 
 def merge_upsert(

@@ -56,6 +56,11 @@ def slice_lake_version(table: pa.Table) -> int | None:
     return int(meta[LAKE_VERSION_KEY]) if LAKE_VERSION_KEY in meta else None
 
 
+def trajectory_guard(run_id: str, iteration: int) -> str:
+    """The app-transaction id of ``(run_id, iteration)``'s trajectory appends."""
+    return f"rlake/trajectories/{run_id}/{iteration}"
+
+
 def scope_pairs(data: pa.Table, part: str, num: str) -> list[tuple[str, int]]:
     """Distinct (``part``, ``num``) pairs of a batch, e.g. (run_id, iteration), sorted."""
     if data.num_rows == 0:
@@ -156,28 +161,38 @@ class Lake:
 
     # -- writes ---------------------------------------------------------------------------------
     def _append(self, table: str, data: pa.Table, guards: list[str], prune: list,
-                row_filter: pc.Expression) -> int | None:
+                row_filter: pc.Expression, commit_info: dict[str, str] | None = None) -> int | None:
         if data.num_rows == 0:
             return None
         data = delta.dedup_on_key(data, KEYS[table])
         with self._lock:
             return delta.guarded_append(lambda: self._table(table, create=True), table, data,
-                                        guards, prune, row_filter)
+                                        guards, prune, row_filter, commit_info)
 
-    def append_trajectories(self, rows: list[dict[str, Any]] | pa.Table) -> int | None:
+    def append_trajectories(self, rows: list[dict[str, Any]] | pa.Table,
+                            commit_info: dict[str, str] | None = None) -> int | None:
         """Append trajectory rows; rows whose ``sample_uid`` is already present are skipped.
 
         One Delta commit; returns its version, or None when every row was already there.
         ``created_at`` is stamped (UTC now) where missing. Safe to call concurrently from several
         processes and to repeat (task retries, resumes). Duplicates are looked for among rows of
-        the same (run_id, iteration), which ``sample_uid`` encodes.
+        the same (run_id, iteration), which ``sample_uid`` encodes. ``commit_info`` (string
+        values) is stored in the commit itself, durable exactly when the rows are: read it back
+        with ``trajectory_commit_info``.
         """
         data = rows_to_table("trajectories", rows)
         if data.num_rows == 0:
             return None
         scopes = scope_pairs(data, "run_id", "iteration")
-        return self._append("trajectories", data, [f"rlake/trajectories/{r}/{i}" for r, i in scopes],
-                            *scope_filter(scopes, "run_id", "iteration"))
+        return self._append("trajectories", data, [trajectory_guard(r, i) for r, i in scopes],
+                            *scope_filter(scopes, "run_id", "iteration"), commit_info=commit_info)
+
+    def trajectory_commit_info(self, run_id: str, iteration: int) -> dict[str, Any] | None:
+        """The commit metadata of the append that wrote ``(run_id, iteration)``'s trajectories
+        (``commit_info`` given to ``append_trajectories``, plus delta-rs's own), or None."""
+        with self._lock:
+            dt = self._table("trajectories")
+            return None if dt is None else delta.find_commit_info(dt, trajectory_guard(run_id, iteration))
 
     def append_train_step(self, row: dict[str, Any]) -> int | None:
         """Record one train step; idempotent on (run_id, step). Returns the version or None."""

@@ -18,12 +18,16 @@ import os
 
 from infra.recovery import mark_crashed, orphan_servers, stop_processes
 from infra.runtime import Runtime
+from rollout.context import rollout_stats_from_commit
+from rollout.data import POSITION_METRIC
 from rollout.sample import Sample
 
 
-def recorded_samples(rt: Runtime, iteration: int, base_version: int) -> list[Sample] | None:
-    """The iteration's trajectories if a previous process committed them but did not train on
-    them (checked for the first iteration of a process only; later ones cannot have any)."""
+def recorded_samples(rt: Runtime, iteration: int, base_version: int
+                     ) -> tuple[list[Sample], dict[str, float]] | None:
+    """The iteration's trajectories and rollout stats if a previous process committed them but
+    did not train on them (checked for the first iteration of a process only; later ones cannot
+    have any). The data position moves to where that rollout left it, as if it had just run."""
     if iteration != rt.start_iteration:
         return None
     rows = rt.lake.training_slice(rt.run_id, base_version, base_version).to_pylist()
@@ -31,8 +35,16 @@ def recorded_samples(rt: Runtime, iteration: int, base_version: int) -> list[Sam
     if not rows:
         return None
     rows.sort(key=lambda r: r["sample_index"])
+    stats = rollout_stats_from_commit(rt.lake.trajectory_commit_info(rt.run_id, iteration))
+    if stats is None or POSITION_METRIC not in stats:
+        # rows from before the stats were committed with them (or past the log retention):
+        # a plain rollout draws rollout_batch_size prompts
+        stats = {POSITION_METRIC: float(rt.data_position + rt.cfg.rollout.rollout_batch_size)}
+        rt.report("warning", {"message": f"iteration {iteration}: no rollout stats in the lake; "
+                              f"data position assumed {int(stats[POSITION_METRIC])}"})
+    rt.data_position = int(stats[POSITION_METRIC])
     rt.report("reuse", {"iteration": iteration, "samples": len(rows)})
-    return [Sample.from_row(r) for r in rows]
+    return [Sample.from_row(r) for r in rows], stats
 
 
 def register_version(rt: Runtime, version: int, iteration: int | None, lake_version: int | None,

@@ -61,9 +61,9 @@ def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
     base_version = rt.trainer.weight_version
     set_iteration(iteration)
     rt.seed_iteration(iteration)
-    rollout_stats: dict[str, float] = {}
-    samples = recorded_samples(rt, iteration, base_version)  # a resume after the lake append
-    if samples is not None:
+    recorded = recorded_samples(rt, iteration, base_version)  # a resume after the lake append
+    if recorded is not None:
+        samples, rollout_stats = recorded
         timings["generate"] = 0.0
         failed = sum(s.status == Status.FAILED for s in samples)
     else:

@@ -33,6 +33,11 @@ class RichReporter:
             self.last_acc = p["accuracy"]
             self.console.print(f"  eval after iteration {p['iteration']}: held-out accuracy "
                                f"[bold]{p['accuracy']:.3f}[/]")
+        elif event == "warning":
+            self.console.print(f"  [yellow]warning:[/] {p['message']}")
+        elif event == "reuse":
+            self.console.print(f"  iteration {p['iteration']}: reusing its {p['samples']} samples "
+                               "already in the lake (no generation)")
         elif event == "iteration" and self.rl_task is not None:
             if "eval/accuracy" in p:
                 self.__call__("eval", {"iteration": p["iteration"] + 1, "accuracy": p["eval/accuracy"]})

@@ -7,6 +7,7 @@ generate function) and scores with ``ctx.score(samples)``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,21 @@ class RolloutOutput:
                  ("partial" if partial_rollout else "aborted", self.aborted))
         return [s.to_row(run_id, iteration, engine, kind)
                 for kind, groups in kinds for g in groups for s in g]
+
+    def commit_info(self) -> dict[str, str]:
+        """What goes into the rows' Delta commit: the stats (``rollout/data_position_end``
+        among them), so that a resume reusing the rows advances the data position exactly."""
+        return {ROLLOUT_STATS_KEY: json.dumps(self.stats)}
+
+
+ROLLOUT_STATS_KEY = "rlake.rollout_stats"
+
+
+def rollout_stats_from_commit(info: dict | None) -> dict[str, float] | None:
+    """The stats ``RolloutOutput.commit_info`` stored, or None (rows written without them)."""
+    if not info or ROLLOUT_STATS_KEY not in info:
+        return None
+    return {k: float(v) for k, v in json.loads(info[ROLLOUT_STATS_KEY]).items()}
 
 
 @dataclass

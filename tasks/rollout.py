@@ -39,7 +39,9 @@ def score(rt: Runtime, samples: list[Sample]) -> int:
 
 @task(name="write_rollout", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
 def write_rollout(rt: Runtime, rollout: RolloutOutput, iteration: int) -> int | None:
-    """One Delta commit with every sample of the iteration (train, filtered, aborted/partial);
+    """One Delta commit with every sample of the iteration (train, filtered, aborted/partial) and
+    the rollout's stats (data position included, for a resume that reuses these rows);
     idempotent on sample_uid, so a retry or resume never duplicates."""
     return rt.lake.append_trajectories(rollout.rows(rt.run_id, iteration, rt.engine.name,
-                                                    rt.cfg.rollout.partial_rollout))
+                                                    rt.cfg.rollout.partial_rollout),
+                                       commit_info=rollout.commit_info())

@@ -64,6 +64,21 @@ def test_same_iteration_twice_leaves_one_copy(lake):
     assert lake.read("trajectories", run_id="r").num_rows == 84
 
 
+def test_commit_info_is_stored_with_the_rows_and_found_again(lake):
+    assert lake.trajectory_commit_info("r", 0) is None  # no table yet
+    lake.append_trajectories(synthetic_rows("r", 0, 8), commit_info={"rlake.rollout_stats": '{"a": 1}'})
+    for i in range(1, 150):  # more commits than one page of the log
+        lake.append_trajectories(synthetic_rows("r", i, 2))
+    lake.append_trajectories(synthetic_rows("other", 0, 2), commit_info={"rlake.rollout_stats": "{}"})
+    assert lake.trajectory_commit_info("r", 0)["rlake.rollout_stats"] == '{"a": 1}'
+    assert lake.trajectory_commit_info("other", 0)["rlake.rollout_stats"] == "{}"
+    assert "rlake.rollout_stats" not in lake.trajectory_commit_info("r", 149)
+    assert lake.trajectory_commit_info("r", 150) is None
+    # an append that writes nothing (rows already there) does not hide the original commit
+    assert lake.append_trajectories(synthetic_rows("r", 0, 8), commit_info={"x": "y"}) is None
+    assert lake.trajectory_commit_info("r", 0)["rlake.rollout_stats"] == '{"a": 1}'
+
+
 def test_arrow_input_and_created_at_kept(lake):
     stamp = datetime(2024, 1, 2, 3, 4, 5, tzinfo=UTC)
     rows = [dict(r, created_at=stamp) for r in synthetic_rows("r", 0, 4)]
