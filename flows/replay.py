@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from datetime import UTC, datetime
 
 from prefect import flow, tags
 from prefect.settings import temporary_settings
 from prefect.utilities.annotations import quote
 
-from flows.rl import FAST_FLOW_SETTINGS, _flat_params, sft_warmup
+from flows.durability import recover, register_version
+from flows.rl import FAST_FLOW_SETTINGS, _flat_params, has_eval, sft_warmup
 from flows.steps import phase, train_and_commit
 from infra.config import config_from_dict
-from infra.recovery import run_tag, tag_current_flow_run
+from infra.faults import set_iteration
+from infra.recovery import claim_run, release_run, run_tag, tag_current_flow_run
 from infra.runtime import RUNTIMES, Runtime, new_run_id, open_runtime
 from rewards.registry import Scorer
 from rollout.sample import Sample, Status
@@ -71,6 +72,7 @@ def source_samples(rows: list[dict], source_run: str) -> list[Sample]:
 def replay_iteration(run_id: str, iteration: int, samples: list[Sample], rescore: bool) -> dict:
     rt = RUNTIMES[run_id]
     timings: dict[str, float] = {"generate": 0.0}
+    set_iteration(iteration)
     rt.seed_iteration(iteration)
     base_version = rt.trainer.weight_version
     failed = 0
@@ -89,7 +91,7 @@ def replay_iteration(run_id: str, iteration: int, samples: list[Sample], rescore
     return metrics
 
 
-def _start_policy(rt: Runtime, source_dir, source_cfg) -> str:
+def _start_policy(rt: Runtime, source_dir) -> str:
     """Load the source checkpoint if it still exists, else run the SFT warm-up; publish v0."""
     if source_dir.exists():
         rt.trainer.load(str(source_dir))
@@ -105,55 +107,78 @@ def _start_policy(rt: Runtime, source_dir, source_cfg) -> str:
 
 @flow(name="rl_replay")
 def rl_replay(source_run: str, config: dict, run_id: str | None = None, iterations: str | None = None,
-              rescore: str | None = None) -> dict:
-    """Replay ``source_run``'s trajectories (``iterations`` A:B) into a new run; see the module doc."""
+              rescore: str | None = None, resume: bool = False) -> dict:
+    """Replay ``source_run``'s trajectories (``iterations`` A:B) into a new run, or, with
+    ``resume``, continue the replay run ``run_id`` from its last committed iteration (after a
+    crash: same durability rules as ``rl_run``); see the module doc."""
     with temporary_settings(updates=FAST_FLOW_SETTINGS):
         cfg = config_from_dict(config)
         run_id = run_id or new_run_id()
-        first, stop = parse_iterations(iterations)
-        rt = open_runtime(cfg, run_id)
+        rt = open_runtime(cfg, run_id, resume=resume, replay=resume)
+        try:
+            claim_run(rt.run_dir)
+        except ValueError:
+            rt.engine.shutdown()
+            RUNTIMES.pop(run_id, None)
+            raise
         if rescore:  # an rm_type name, or a module:function path
             rt.reward_fn = rescorer(rt.cfg, rescore)
-        rt.tracker.start(run_id, params=cfg and _flat_params(cfg),
+        rt.tracker.start(run_id, params=_flat_params(rt.cfg),
                          tags={"rlake.run_id": run_id, "rlake.replay_of": source_run,
                                "rlake.replay_iterations": iterations or "all",
-                               "rlake.rescore": rescore or ""})
-        note = {"iterations": iterations or "all", "rescore": rescore}
-        row = {"run_id": run_id, "config": cfg.model_dump_json(), "mlflow_run_id": rt.tracker.run_id,
-               "replay_of": source_run, "parent_run_id": source_run, "notes": json.dumps(note),
-               "updated_at": datetime.now(UTC)}
+                               "rlake.rescore": rescore or ""}, mlflow_run_id=rt.mlflow_run_id)
+        note = {"iterations": iterations, "rescore": rescore}
+        row = {"run_id": run_id, "config": rt.cfg.model_dump_json(), "mlflow_run_id": rt.tracker.run_id,
+               "replay_of": source_run, "parent_run_id": source_run, "notes": json.dumps(note)}
         rt.lake.upsert_run({**row, "status": "running"})
-        tag_current_flow_run(run_id)
         try:
+            if resume:
+                recover(rt, tag_current_flow_run(run_id))
+            else:
+                tag_current_flow_run(run_id)
             with tags(run_tag(run_id)):
-                source = read_source_trajectories(rt, source_run, first, stop).to_pylist()
-                if not source:
-                    raise ValueError(f"run '{source_run}' has no train trajectories in iterations "
-                                     f"{iterations or 'all'}")
-                by_iter: dict[int, list[dict]] = {}
-                for r in source:
-                    by_iter.setdefault(r["iteration"], []).append(r)
-                base = min(r["weight_version"] for r in by_iter[min(by_iter)])
-                src_ckpt = rt.home / "runs" / source_run / "checkpoints" / f"v{base:06d}"
-                rt.tracker.set_tags({"rlake.replay_start": _start_policy(rt, src_ckpt, cfg)})
-                evaluate(rt, 0)
-                for j, it in enumerate(sorted(by_iter)):
-                    samples = source_samples(by_iter[it], source_run)
-                    metrics = replay_iteration(run_id, j, quote(samples), rescore is not None)
-                    rt.report("iteration", {"iteration": j, **metrics})
-                if len(by_iter) % rt.cfg.eval.eval_interval:
-                    evaluate(rt, len(by_iter))
-            rt.lake.upsert_run({**row, "status": "completed", "updated_at": datetime.now(UTC)})
+                n_iterations = replay_iterations(rt, source_run, iterations, rescore is not None)
+            rt.lake.upsert_run({**row, "status": "completed"})
             rt.tracker.finish("FINISHED")
         except BaseException:
-            rt.lake.upsert_run({**row, "status": "failed", "updated_at": datetime.now(UTC)})
+            rt.lake.upsert_run({**row, "status": "failed"})
             rt.tracker.finish("FAILED")
             raise
         finally:
+            release_run(rt.run_dir)
             rt.engine.shutdown()
             RUNTIMES.pop(run_id, None)
-        return {"run_id": run_id, "replay_of": source_run, "iterations": len(by_iter),
-                "home": str(rt.home), "lake_uri": cfg.resolved_lake_uri, "mlflow_uri": rt.tracker.uri}
+        return {"run_id": run_id, "replay_of": source_run, "iterations": n_iterations,
+                "home": str(rt.home), "lake_uri": rt.cfg.resolved_lake_uri, "mlflow_uri": rt.tracker.uri}
+
+
+def replay_iterations(rt: Runtime, source_run: str, iterations: str | None, rescore: bool) -> int:
+    """Replay source iterations A..B-1 as this run's iterations 0.., from ``rt.start_iteration``
+    on (0 unless resumed); evaluate at the start, every eval_interval and at the end."""
+    first, stop = parse_iterations(iterations)
+    source = read_source_trajectories(rt, source_run, first, stop).to_pylist()
+    if not source:
+        raise ValueError(f"run '{source_run}' has no train trajectories in iterations "
+                         f"{iterations or 'all'}")
+    by_iter: dict[int, list[dict]] = {}
+    for r in source:
+        by_iter.setdefault(r["iteration"], []).append(r)
+    if rt.start_iteration == 0 and not rt.checkpoint_dir(0).exists():
+        base = min(r["weight_version"] for r in by_iter[min(by_iter)])
+        src_ckpt = rt.home / "runs" / source_run / "checkpoints" / f"v{base:06d}"
+        rt.tracker.set_tags({"rlake.replay_start": _start_policy(rt, src_ckpt)})
+        register_version(rt, 0, None, None, 0)
+    if not has_eval(rt, rt.trainer.weight_version) and (
+            rt.start_iteration == 0 or rt.start_iteration % rt.cfg.eval.eval_interval == 0):
+        evaluate(rt, rt.start_iteration)
+    for j, it in enumerate(sorted(by_iter)):
+        if j >= rt.start_iteration:
+            samples = source_samples(by_iter[it], source_run)
+            metrics = replay_iteration(rt.run_id, j, quote(samples), rescore)
+            rt.report("iteration", {"iteration": j, **metrics})
+    if not has_eval(rt, rt.trainer.weight_version):
+        evaluate(rt, len(by_iter))
+    return len(by_iter)
 
 
 def rescorer(cfg, rescore: str) -> Scorer:

@@ -135,7 +135,7 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
             else:
                 publish_weights(rt, 0)
             register_version(rt, 0, None, None, 0)
-        if _eval_due(rt, rt.start_iteration) and not _has_eval(rt, rt.trainer.weight_version):
+        if _eval_due(rt, rt.start_iteration) and not has_eval(rt, rt.trainer.weight_version):
             acc = evaluate(rt, rt.start_iteration)["accuracy"]
             reporter("eval", {"iteration": rt.start_iteration, "accuracy": acc})
         reporter("rl_start", {"start": rt.start_iteration, "total": rt.cfg.num_rollout})
@@ -164,7 +164,7 @@ def _eval_due(rt: Runtime, done: int) -> bool:
     return done == 0 or done % rt.cfg.eval.eval_interval == 0 or done == rt.cfg.num_rollout
 
 
-def _has_eval(rt: Runtime, version: int) -> bool:
+def has_eval(rt: Runtime, version: int) -> bool:
     evals = rt.lake.read("evals", run_id=rt.run_id, columns=["weight_version"])
     return version in set(evals.column("weight_version").to_pylist())
 

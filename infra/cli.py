@@ -51,6 +51,13 @@ def resume(run_id: str, home: HomeOpt = "./rlake-home",
     overrides = [f"home={home}"] + ([f"lake_uri={lake_uri}"] if lake_uri else [])
     cfg = load_config(None, overrides)
     _prepare(cfg.home, cfg.torch_threads)
+    from buffer import Lake
+
+    row = Lake(cfg.resolved_lake_uri, cfg.storage_options or None).get_run(run_id)
+    if row is not None and row.get("replay_of"):
+        from infra.ops_cli import resume_replay
+
+        return resume_replay(row, cfg.home)
     from infra.progress import run_with_progress
 
     summary = run_with_progress(cfg, run_id, resume=True, console=console)

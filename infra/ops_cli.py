@@ -72,9 +72,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one nested function per 
         console.print(f"[dim]replaying {source_run} (iterations {iterations or 'all'})[/]")
         summary = rl_replay(source_run, cfg.model_dump(), run_id=run_id, iterations=iterations,
                             rescore=rescore)
-        console.print(f"replay run [bold]{summary['run_id']}[/] of {source_run}: "
-                      f"{summary['iterations']} iterations trained")
-        console.print(f"  rlake report {summary['run_id']} --home {home} --out report.html")
+        print_replay_summary(summary)
 
     @app.command()
     def lineage(run_id: str, version: Annotated[int, typer.Option("--version", help="weight version")],
@@ -147,3 +145,22 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one nested function per 
             if started:
                 stop_server(home)
                 console.print("Prefect server stopped")
+
+
+def print_replay_summary(summary: dict) -> None:
+    console.print(f"replay run [bold]{summary['run_id']}[/] of {summary['replay_of']}: "
+                  f"{summary['iterations']} iterations trained")
+    console.print(f"  rlake report {summary['run_id']} --home {summary['home']} --out report.html")
+
+
+def resume_replay(row: dict, home: str) -> None:
+    """``rlake resume`` of a replay run: the same source iterations and rescoring, continued
+    from the last committed iteration (``runs.notes`` holds what the replay was asked)."""
+    from flows.replay import rl_replay
+
+    note = json.loads(row.get("notes") or "{}")
+    config = {**json.loads(row["config"]), "home": home}
+    console.print(f"[dim]resuming replay {row['run_id']} of {row['replay_of']}[/]")
+    summary = rl_replay(row["replay_of"], config, run_id=row["run_id"],
+                        iterations=note.get("iterations"), rescore=note.get("rescore"), resume=True)
+    print_replay_summary(summary)

@@ -156,17 +156,19 @@ def _task_data(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, list[dict]]:
     return load_run_data(cfg, tokenizer)
 
 
-def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False) -> Runtime:
-    """Build (or, with ``resume``, restore from the lake + checkpoints) a run's runtime."""
+def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False,
+                 replay: bool = False) -> Runtime:
+    """Build (or, with ``resume``, restore from the lake + checkpoints) a run's runtime; a replay
+    run is only restored for ``flows.replay`` (``replay``), which never generates."""
     home = Path(cfg.home).resolve()
     lake = Lake(cfg.resolved_lake_uri, cfg.storage_options or None)
     if resume:
         row = lake.get_run(run_id)
         if row is None:
             raise ValueError(f"no run '{run_id}' in the lake at {cfg.resolved_lake_uri}")
-        if row.get("replay_of"):
+        if row.get("replay_of") and not replay:
             raise ValueError(f"run '{run_id}' is a replay of '{row['replay_of']}': resume would "
-                             "generate; run `rlake replay` again instead")
+                             "generate; resume it with flows.replay.rl_replay(resume=True) (`rlake resume` does)")
         cfg = config_from_dict(json.loads(row["config"]))
     run_id = run_id or cfg.run_id or new_run_id()
     seed_everything(cfg.seed)

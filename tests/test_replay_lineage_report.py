@@ -4,8 +4,11 @@ tiny source run made by the real CLI (one shared Prefect server for the CLI proc
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from buffer import Lake
 from infra.prefect_server import ensure_server, stop_server
@@ -62,6 +65,43 @@ def test_replay_rescore(source):
     client = MlflowClient(f"sqlite:///{home}/mlflow/mlflow.db")
     mrun = client.get_run(run["mlflow_run_id"])
     assert mrun.data.tags["rlake.replay_of"] == SOURCE and mrun.info.status == "FINISHED"
+
+
+def test_replay_killed_then_resumed_equals_an_uninterrupted_replay(source):
+    home, url = source
+    args = ["replay", SOURCE, "--home", str(home), "--iterations", "0:3", "--rescore",
+            "tests.opshelp:length_reward", "--set", "deterministic=true"]
+    crashed = rlake([*args, "--run-id", "rep-crash"],
+                    cli_env(url, RLAKE_FAULT="after_checkpoint_save:1"), home / "rep-crash.log")
+    assert crashed.returncode == -signal.SIGKILL, tail(home / "rep-crash.log")
+    whole = rlake([*args, "--run-id", "rep-whole"], cli_env(url), home / "rep-whole.log")
+    assert whole.returncode == 0, tail(home / "rep-whole.log")
+    lake = Lake(str(home / "lake"))
+    assert lake.get_run("rep-crash")["status"] == "running"  # killed: nobody marked it
+    done = rlake(["resume", "rep-crash", "--home", str(home)], cli_env(url), home / "rep-resume.log")
+    assert done.returncode == 0, tail(home / "rep-resume.log")
+    assert "resuming replay rep-crash" in (home / "rep-resume.log").read_text()
+
+    run = lake.get_run("rep-crash")
+    assert (run["replay_of"], run["status"]) == (SOURCE, "completed")
+    steps = sorted(lake.read("train_steps", run_id="rep-crash").to_pylist(), key=lambda s: s["step"])
+    assert [(s["step"], s["base_version"], s["weight_version"]) for s in steps] == [(i, i, i + 1) for i in range(3)]
+    rows = [r for r in lake.read("trajectories", run_id="rep-crash").to_pylist() if r["kind"] == "train"]
+    assert len(rows) == len({r["sample_uid"] for r in rows}) == 3 * 16
+    assert all(r["reward"] == pytest.approx(len(r["response"]) / 10) for r in rows)
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{home}/mlflow/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("rlake").experiment_id],
+                              "tags.`rlake.run_id` = 'rep-crash'")
+    assert [r.info.run_id for r in runs] == [run["mlflow_run_id"]] and runs[0].info.status == "FINISHED"
+    versions = client.search_model_versions("name='rlake-rep-crash'")
+    assert sorted(int(v.tags["weight_version"]) for v in versions) == [0, 1, 2, 3]
+
+    ckpt = "runs/{}/checkpoints/v000003/model.safetensors"
+    a, b = load_file(home / ckpt.format("rep-crash")), load_file(home / ckpt.format("rep-whole"))
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed replay differs from the uninterrupted one"
 
 
 def test_lineage_names_iterations_samples_and_generating_version(source):
