@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol, runtime_checkable
 
 import pyarrow as pa
+import torch
 
 
 @dataclass
@@ -45,6 +46,66 @@ class TrainBatch:
                                                         cols["group_index"], strict=True)],
             weight_versions=cols["weight_version"],
         )
+
+
+@dataclass
+class PaddedBatch:
+    """Right-padded prompt+response sequences and the response-token view into them (both
+    backends train on this)."""
+
+    input_ids: torch.Tensor        # [B, L]
+    attention_mask: torch.Tensor   # [B, L]
+    response_index: torch.Tensor   # [B, T] position in logits predicting response token t
+    response_ids: torch.Tensor     # [B, T]
+    mask: torch.Tensor             # [B, T] float, 1 on trained response tokens
+    rollout_logprobs: torch.Tensor  # [B, T] (0 where the engine reported none)
+    has_rollout_logprobs: torch.Tensor  # [B] float, 1 where the engine reported log-probs
+
+    def _map(self, fn) -> PaddedBatch:
+        return PaddedBatch(*(fn(getattr(self, f.name)) for f in fields(self)))
+
+    def select(self, idx: torch.Tensor) -> PaddedBatch:
+        return self._map(lambda t: t[idx])
+
+    def to(self, device: torch.device | str) -> PaddedBatch:
+        return self._map(lambda t: t.to(device))
+
+
+def pad_batch(batch: TrainBatch, pad_id: int) -> PaddedBatch:
+    """Right-pad prompt+response; response token t of row i is predicted at position
+    len(prompt_i) - 1 + t. An empty ``loss_mask`` means every response token is trained."""
+    n = len(batch)
+    if n == 0:
+        raise ValueError("TrainBatch is empty: nothing to train on")
+    seqs = [list(p) + list(r) for p, r in zip(batch.prompt_token_ids, batch.response_token_ids, strict=True)]
+    width = max(len(s) for s in seqs)
+    resp_width = max(1, max(len(r) for r in batch.response_token_ids))
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width), dtype=torch.long)
+    response_index = torch.zeros((n, resp_width), dtype=torch.long)
+    response_ids = torch.zeros((n, resp_width), dtype=torch.long)
+    mask = torch.zeros((n, resp_width))
+    rollout_lp = torch.zeros((n, resp_width))
+    has_lp = torch.zeros(n)
+    for i, (prompt, resp, seq) in enumerate(zip(batch.prompt_token_ids, batch.response_token_ids,
+                                                seqs, strict=True)):
+        if not prompt:
+            raise ValueError(f"sample {batch.sample_uids[i]}: empty prompt_token_ids")
+        input_ids[i, :len(seq)] = torch.tensor(seq)
+        attention_mask[i, :len(seq)] = 1
+        r = len(resp)
+        if r == 0:
+            continue
+        response_index[i, :r] = torch.arange(len(prompt) - 1, len(prompt) - 1 + r)
+        response_ids[i, :r] = torch.tensor(resp)
+        mask[i, :r] = torch.tensor(batch.loss_mask[i][:r] if batch.loss_mask[i] else [1] * r,
+                                   dtype=torch.float32)
+        lps = batch.rollout_logprobs[i]
+        if lps:
+            rollout_lp[i, :min(r, len(lps))] = torch.tensor(lps[:r], dtype=torch.float32)
+            has_lp[i] = 1.0
+    return PaddedBatch(input_ids, attention_mask, response_index, response_ids, mask, rollout_lp,
+                       has_lp)
 
 
 @runtime_checkable

@@ -23,7 +23,7 @@ from infra.faults import fault_point
 from infra.modeling import load_model
 from trainers import algorithms as alg
 from trainers import losses
-from trainers.base import TrainBatch
+from trainers.base import PaddedBatch, TrainBatch, pad_batch
 from trainers.critic import (
     CRITIC_FILE,
     ValueModel,
@@ -38,55 +38,6 @@ from trainers.reference import load_reference, needs_reference
 STATE_FILE = "trainer_state.pt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
-
-
-@dataclass
-class PaddedBatch:
-    """Right-padded prompt+response sequences and the response-token view into them."""
-
-    input_ids: torch.Tensor        # [B, L]
-    attention_mask: torch.Tensor   # [B, L]
-    response_index: torch.Tensor   # [B, T] position in logits predicting response token t
-    response_ids: torch.Tensor     # [B, T]
-    mask: torch.Tensor             # [B, T] float, 1 on trained response tokens
-    rollout_logprobs: torch.Tensor  # [B, T] (0 where the engine reported none)
-    has_rollout_logprobs: torch.Tensor  # [B] float, 1 where the engine reported log-probs
-
-    def select(self, idx: torch.Tensor) -> PaddedBatch:
-        return PaddedBatch(*(t[idx] for t in (self.input_ids, self.attention_mask,
-                                              self.response_index, self.response_ids, self.mask,
-                                              self.rollout_logprobs, self.has_rollout_logprobs)))
-
-
-def pad_batch(batch: TrainBatch, pad_id: int) -> PaddedBatch:
-    n = len(batch)
-    seqs = [p + r for p, r in zip(batch.prompt_token_ids, batch.response_token_ids, strict=True)]
-    width = max(len(s) for s in seqs)
-    resp_width = max(1, max(len(r) for r in batch.response_token_ids))
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, width), dtype=torch.long)
-    response_index = torch.zeros((n, resp_width), dtype=torch.long)
-    response_ids = torch.zeros((n, resp_width), dtype=torch.long)
-    mask = torch.zeros((n, resp_width))
-    rollout_lp = torch.zeros((n, resp_width))
-    has_lp = torch.zeros(n)
-    for i, (prompt, resp) in enumerate(zip(batch.prompt_token_ids, batch.response_token_ids, strict=True)):
-        seq = prompt + resp
-        input_ids[i, :len(seq)] = torch.tensor(seq)
-        attention_mask[i, :len(seq)] = 1
-        r = len(resp)
-        if r == 0:
-            continue
-        response_index[i, :r] = torch.arange(len(prompt) - 1, len(prompt) - 1 + r)
-        response_ids[i, :r] = torch.tensor(resp)
-        mask[i, :r] = torch.tensor(batch.loss_mask[i][:r] if batch.loss_mask[i] else [1] * r,
-                                   dtype=torch.float32)
-        lps = batch.rollout_logprobs[i]
-        if lps:
-            rollout_lp[i, :min(r, len(lps))] = torch.tensor(lps[:r], dtype=torch.float32)
-            has_lp[i] = 1.0
-    return PaddedBatch(input_ids, attention_mask, response_index, response_ids, mask, rollout_lp,
-                       has_lp)
 
 
 def response_logprobs(model: torch.nn.Module, pb: PaddedBatch, temperature: float = 1.0,

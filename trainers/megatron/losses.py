@@ -1,4 +1,4 @@
-"""Batch padding and the actor loss of the megatron backend, built from ``trainers.algorithms``.
+"""The actor loss of the megatron backend, built from ``trainers.algorithms``.
 
 The loss here is the torch trainer's: the same functions, the same aggregation, the same
 metric names (slime's). It is one function so both backends can share it.
@@ -6,68 +6,13 @@ metric names (slime's). It is one function so both backends can share it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from trainers import algorithms as alg
-from trainers.base import TrainBatch
 
 Tensor = torch.Tensor
-
-
-@dataclass
-class PaddedBatch:
-    """Right-padded prompt+response sequences and the response-token view into them."""
-
-    input_ids: Tensor         # [B, L]
-    response_index: Tensor    # [B, T] position whose logits predict response token t
-    response_ids: Tensor      # [B, T]
-    mask: Tensor              # [B, T] float, 1 on trained response tokens
-    rollout_logprobs: Tensor  # [B, T]
-
-    def select(self, idx: Tensor) -> PaddedBatch:
-        return PaddedBatch(*(t[idx] for t in (self.input_ids, self.response_index,
-                                              self.response_ids, self.mask,
-                                              self.rollout_logprobs)))
-
-    def to(self, device: torch.device | str) -> PaddedBatch:
-        return PaddedBatch(*(t.to(device) for t in (self.input_ids, self.response_index,
-                                                    self.response_ids, self.mask,
-                                                    self.rollout_logprobs)))
-
-
-def pad_batch(batch: TrainBatch, pad_id: int = 0) -> PaddedBatch:
-    """Right-pad prompt+response; response token t of row i is predicted at position
-    len(prompt_i) - 1 + t. An empty ``loss_mask`` means all response tokens are trained."""
-    n = len(batch)
-    if n == 0:
-        raise ValueError("TrainBatch is empty: nothing to train on")
-    width = max(len(p) + len(r) for p, r in zip(batch.prompt_token_ids,
-                                                batch.response_token_ids, strict=True))
-    t_width = max(1, max(len(r) for r in batch.response_token_ids))
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    response_index = torch.zeros((n, t_width), dtype=torch.long)
-    response_ids = torch.zeros((n, t_width), dtype=torch.long)
-    mask = torch.zeros((n, t_width))
-    rollout_lp = torch.zeros((n, t_width))
-    for i, (prompt, resp) in enumerate(zip(batch.prompt_token_ids, batch.response_token_ids,
-                                           strict=True)):
-        if not prompt:
-            raise ValueError(f"sample {batch.sample_uids[i]}: empty prompt_token_ids")
-        seq = list(prompt) + list(resp)
-        input_ids[i, :len(seq)] = torch.tensor(seq)
-        r = len(resp)
-        if r == 0:
-            continue
-        response_index[i, :r] = torch.arange(len(prompt) - 1, len(prompt) - 1 + r)
-        response_ids[i, :r] = torch.tensor(resp)
-        lm = batch.loss_mask[i]
-        mask[i, :r] = torch.tensor(lm[:r] if lm else [1] * r, dtype=torch.float32)
-        if batch.rollout_logprobs[i]:
-            rollout_lp[i, :r] = torch.tensor(batch.rollout_logprobs[i][:r], dtype=torch.float32)
-    return PaddedBatch(input_ids, response_index, response_ids, mask, rollout_lp)
 
 
 def cfg_get(cfg: Any, name: str, default: Any) -> Any:

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainers.base import TrainBatch
+from trainers.base import PaddedBatch, TrainBatch, pad_batch
 from trainers.megatron import losses
-from trainers.megatron.losses import PaddedBatch, cfg_get, pad_batch
+from trainers.megatron.losses import cfg_get
 from trainers.megatron.model import (
     build_gpt_model,
     forward_logits,
