@@ -33,6 +33,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """One query per row, grouped-query: softmax(q k^T / sqrt(d) + bias) v, with the query heads
+    of one KV head batched together. q [B, h, 1, d], k/v [B, kvh, T, d], bias [B, 1, 1, T]
+    (0 or -inf) -> [B, h, d]."""
+    bsz, n_heads, _, dim = q.shape
+    n_kv = k.shape[1]
+    scores = torch.matmul(q.view(bsz, n_kv, n_heads // n_kv, dim), k.transpose(-1, -2))
+    probs = torch.softmax(scores.mul_(dim ** -0.5).add_(bias), dim=-1)
+    return torch.matmul(probs, v).view(bsz, n_heads, dim)
+
+
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
@@ -120,6 +131,8 @@ class FastDecoder:
             itself = torch.zeros(seq, end, dtype=torch.bool)
             itself[:, start:end] = torch.eye(seq, dtype=torch.bool)
             allowed = (allowed & causal) | itself
+        else:  # decode: one additive bias for every layer (measured faster than SDPA here)
+            bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         for li, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, self.eps)
@@ -129,9 +142,13 @@ class FastDecoder:
             v = qkv[..., q_size + kv_size:]
             k_cache[li, :, :, start:end] = k
             v_cache[li, :, :, start:end] = v.view(bsz, seq, self.n_kv, self.head_dim).transpose(1, 2)
-            attn = torch.nn.functional.scaled_dot_product_attention(
-                q, k_cache[li, :, :, :end], v_cache[li, :, :, :end], attn_mask=allowed, enable_gqa=True)
-            attn = attn.transpose(1, 2).reshape(bsz, seq, q_size)
+            if seq > 1:
+                attn = torch.nn.functional.scaled_dot_product_attention(
+                    q, k_cache[li, :, :, :end], v_cache[li, :, :, :end], attn_mask=allowed, enable_gqa=True)
+                attn = attn.transpose(1, 2).reshape(bsz, seq, q_size)
+            else:
+                attn = decode_attention(q, k_cache[li, :, :, :end], v_cache[li, :, :, :end], bias)
+                attn = attn.reshape(bsz, 1, q_size)
             h = h + torch.nn.functional.linear(attn, layer.o_w)
             x = rms_norm(h, layer.post_norm, self.eps)
             gate, up = torch.nn.functional.linear(x, layer.gate_up_w).chunk(2, dim=-1)
