@@ -9,7 +9,8 @@
 A deployment's flow, ``scheduled_run``, starts its rlake run the first time and continues it
 (resume) on later ticks until it is complete; a tick that finds the run owned by a live process
 (the previous tick, ``owner.pid``) does nothing. (Prefect's deployment ``concurrency_limit`` is
-not used: on this loaded machine its lease was lost during provisioning and every run cancelled.) Deployments recorded while ``rlake serve`` runs are picked up at its next start.
+not used: on this loaded machine its lease was lost during provisioning and every run
+cancelled.) Deployments recorded while ``rlake serve`` runs are picked up within seconds.
 """
 
 from __future__ import annotations
@@ -88,30 +89,43 @@ def load_specs(home: str | Path) -> list[dict]:
     return out
 
 
-def build_deployments(home: str | Path, maintenance_interval: float | None):
-    """RunnerDeployments for every recorded spec, plus lake maintenance (None: not served)."""
-    deployments = []
-    for spec in load_specs(home):
-        # not the rlake-run tag: a resume marks RUNNING flow runs with that tag Crashed, and the
-        # tick's own flow run is RUNNING while it resumes
-        deployments.append(scheduled_run.to_deployment(
-            name=spec["name"], cron=spec["cron"], interval=spec["interval"],
-            parameters={"config": spec["config"], "run_id": spec["run_id"]}, tags=["rlake", f"rlake-deployment:{spec['run_id']}"]))
+async def build_deployments(home: str | Path, maintenance_interval: float | None,
+                            skip: dict[str, str] | None = None) -> list[tuple[str, object]]:
+    """(key, RunnerDeployment) for every recorded spec, plus lake maintenance (None: not
+    served); the key is the spec it was built from, and names whose key is in ``skip`` (already
+    served as is) are left out."""
+    wanted = {spec["name"]: (json.dumps(spec, sort_keys=True), spec) for spec in load_specs(home)}
     if maintenance_interval:
-        lake_uri = str(Path(home).resolve() / "lake")
-        deployments.append(lake_maintenance.to_deployment(
-            name=MAINTENANCE, interval=maintenance_interval, parameters={"lake_uri": lake_uri},
-            tags=["rlake"]))
-    return deployments
+        wanted[MAINTENANCE] = (f"every {maintenance_interval}", None)
+    out = []
+    for name, (key, spec) in wanted.items():
+        if (skip or {}).get(name) == key:
+            continue
+        if spec is None:
+            lake_uri = str(Path(home).resolve() / "lake")
+            deployment = await lake_maintenance.ato_deployment(
+                name=MAINTENANCE, interval=maintenance_interval, parameters={"lake_uri": lake_uri},
+                tags=["rlake"])
+        else:
+            # not the rlake-run tag: a resume marks RUNNING flow runs with that tag Crashed, and
+            # the tick's own flow run is RUNNING while it resumes
+            deployment = await scheduled_run.ato_deployment(
+                name=name, cron=spec["cron"], interval=spec["interval"],
+                parameters={"config": spec["config"], "run_id": spec["run_id"]},
+                tags=["rlake", f"rlake-deployment:{spec['run_id']}"])
+        out.append((key, deployment))
+    return out
 
 
 def serve_forever(home: str | Path, api_url: str, maintenance_interval: float | None,
-                  limit: int = 1) -> None:
+                  limit: int = 1, rescan_s: float = 5.0) -> None:
     """Serve the deployments against ``api_url`` until SIGTERM / Ctrl-C (then return).
 
     At most ``limit`` flow runs execute at once (each is a process that loads the stack): ticks
-    that come due meanwhile wait their turn instead of piling up processes."""
-    from prefect import serve
+    that come due meanwhile wait their turn instead of piling up processes. The deployments
+    folder is read again every ``rescan_s`` seconds: a deployment recorded (or changed) by
+    ``rlake deploy`` meanwhile is registered and served without a restart."""
+    import asyncio
 
     os.environ["PREFECT_API_URL"] = api_url
     # flow runs execute in subprocesses that import flows/*.py: they need this checkout importable
@@ -122,10 +136,38 @@ def serve_forever(home: str | Path, api_url: str, maintenance_interval: float | 
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
-    deployments = build_deployments(home, maintenance_interval)
-    if not deployments:
+    if not load_specs(home) and not maintenance_interval:
         raise ValueError("nothing to serve: no deployments recorded and maintenance is off")
     try:
-        serve(*deployments, print_starting_message=True, limit=limit)
+        asyncio.run(_serve(home, maintenance_interval, limit, rescan_s))
     except KeyboardInterrupt:
         pass
+
+
+async def _serve(home: str | Path, maintenance_interval: float | None, limit: int,
+                 rescan_s: float) -> None:
+    import anyio
+    from prefect.runner import Runner
+
+    runner = Runner(name="rlake-serve", limit=limit)
+    served: dict[str, str] = {}  # deployment name -> the spec it was registered from
+
+    async def register_new() -> None:
+        for key, deployment in await build_deployments(home, maintenance_interval, skip=served):
+            await runner.aadd_deployment(deployment)
+            served[deployment.name] = key
+            print(f"serving deployment '{deployment.name}'", flush=True)
+
+    async def rescan() -> None:
+        while True:
+            await anyio.sleep(rescan_s)
+            try:
+                await register_new()
+            except ValueError as err:  # a bad spec file: say so, keep serving the others
+                print(f"deployments: {err}", flush=True)
+
+    await register_new()
+    async with anyio.create_task_group() as group:
+        group.start_soon(rescan)
+        await runner.start()
+        group.cancel_scope.cancel()

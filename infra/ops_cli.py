@@ -116,7 +116,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one nested function per 
         path = save_spec(cfg.home, name, cfg.model_dump(), run, cron, interval)
         when = f"cron '{cron}'" if cron else f"every {interval:g} s"
         console.print(f"deployment [bold]{name}[/] (run {run}, {when}) recorded in {path}")
-        console.print(f"serve it: rlake serve --home {cfg.home}   (restart a running serve to pick it up)")
+        console.print(f"serve it: rlake serve --home {cfg.home}   (a running serve picks it up)")
 
     @app.command()
     def serve(home: HomeOpt = "./rlake-home",

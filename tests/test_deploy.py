@@ -1,5 +1,6 @@
-"""`rlake deploy` + `rlake serve`: a deployment on a short interval produces a completed flow run
-(and so does the built-in lake-maintenance deployment); then everything started is stopped."""
+"""`rlake serve` + `rlake deploy`: a deployment recorded while serve runs, on a short interval,
+produces a completed flow run (and so does the built-in lake-maintenance deployment); then
+everything started is stopped."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _completed_by_deployment(url: str) -> dict[str, list[str]]:
     return out
 
 
-def test_deploy_interval_then_serve_runs_it_and_stops_cleanly(tmp_path):
+def test_serve_then_deploy_interval_runs_it_and_stops_cleanly(tmp_path):
     home = tmp_path / "home"
     overrides = dict(item.split("=", 1) for item in TINY[1::2])
     cfg = {"home": str(home), "num_rollout": 2, "eval": {"eval_interval": 2}}
@@ -43,15 +44,10 @@ def test_deploy_interval_then_serve_runs_it_and_stops_cleanly(tmp_path):
             node = node.setdefault(part, {})
         node[leaf] = yaml.safe_load(value)
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(cfg))
-    log = tmp_path / "deploy.log"
-    proc = rlake(["deploy", str(tmp_path / "tiny.yaml"), "--name", "tiny", "--interval", "20"],
-                 cli_env(None), log)
-    assert proc.returncode == 0, tail(log)
-    spec = json.loads((home / "deployments" / "tiny.json").read_text())
-    assert (spec["run_id"], spec["interval"]) == ("tiny", 20.0)
     bad = rlake(["deploy", str(tmp_path / "tiny.yaml"), "--name", "x"], cli_env(None), tmp_path / "bad.log")
     assert bad.returncode == 1 and "exactly one of --cron" in (tmp_path / "bad.log").read_text()
 
+    # serve first (maintenance only), deploy while it serves: the running serve picks it up
     prefect_home = str((home / "prefect").resolve())
     serve_log = open(tmp_path / "serve.log", "w")
     serve = subprocess.Popen([sys.executable, "-m", "infra.cli", "serve", "--home", str(home),
@@ -60,6 +56,15 @@ def test_deploy_interval_then_serve_runs_it_and_stops_cleanly(tmp_path):
                              stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + DEADLINE_S
+        while "serving deployment 'lake-maintenance'" not in (tmp_path / "serve.log").read_text():
+            assert serve.poll() is None and time.monotonic() < deadline, tail(tmp_path / "serve.log")
+            time.sleep(1)
+        log = tmp_path / "deploy.log"
+        proc = rlake(["deploy", str(tmp_path / "tiny.yaml"), "--name", "tiny", "--interval", "20"],
+                     cli_env(None), log)
+        assert proc.returncode == 0, tail(log)
+        spec = json.loads((home / "deployments" / "tiny.json").read_text())
+        assert (spec["run_id"], spec["interval"]) == ("tiny", 20.0)
         states: dict[str, list[str]] = {}
         while time.monotonic() < deadline:
             assert serve.poll() is None, tail(tmp_path / "serve.log")
