@@ -53,6 +53,15 @@ def collect(lake: Lake, run_id: str) -> dict:
             "steps": steps, "evals": {k: sorted(v) for k, v in metrics.items()}}
 
 
+def same_series(series: dict[str, list]) -> list[tuple[list, list[str]]]:
+    """Series with identical points drawn once, under all their names (greedy accuracy,
+    pass@1 and the mean 0/1 reward are often the same numbers): [(points, [names])]."""
+    groups: dict[str, tuple[list, list[str]]] = {}
+    for name, points in series.items():
+        groups.setdefault(repr(points), (points, []))[1].append(name)
+    return list(groups.values())
+
+
 def _figures(data: dict, stem: Path) -> list[tuple[str, Path]]:
     import matplotlib
 
@@ -78,8 +87,8 @@ def _figures(data: dict, stem: Path) -> list[tuple[str, Path]]:
     ax.plot([ro[i]["version"] for i in its], [ro[i]["reward"] for i in its], "o-", ms=3,
             label=f"replayed reward (by {source}'s generating version)" if source
             else "rollout reward (mean, by generating version)")
-    for name, points in evals.items():
-        ax.plot([v for v, _ in points], [x for _, x in points], "s--", ms=4, label=name)
+    for points, names in same_series(evals):
+        ax.plot([v for v, _ in points], [x for _, x in points], "s--", ms=4, label=" = ".join(names))
     ax.set(xlabel="weight version", ylabel="reward / accuracy", ylim=(-0.02, 1.02),
            title="Reward and held-out evaluation per weight version")
     ax.grid(alpha=0.3)

@@ -137,3 +137,12 @@ def test_report_html_and_figures(source, tmp_path):
         assert f'src="{p.name}"' in html
     assert html.count("<tr>") == ITERS + 1  # header + one row per iteration
     assert "held_out/accuracy" in html
+
+
+def test_identical_eval_series_are_drawn_once():
+    from infra.report import same_series
+
+    groups = same_series({"held_out/accuracy": [(0, 0.5), (5, 0.7)], "held_out/pass@1": [(0, 0.5), (5, 0.7)],
+                          "held_out/pass@4": [(0, 0.6), (5, 0.8)]})
+    assert [names for _, names in groups] == [["held_out/accuracy", "held_out/pass@1"], ["held_out/pass@4"]]
+    assert groups[1][0] == [(0, 0.6), (5, 0.8)]
