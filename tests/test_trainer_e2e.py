@@ -9,7 +9,7 @@ import pytest
 
 from buffer import Lake
 
-ITERATIONS = 20
+ITERATIONS = 40
 
 
 @pytest.mark.slow
@@ -24,7 +24,9 @@ def test_reinforce_plus_plus_baseline_improves_held_out_accuracy(tmp_path, cli, 
     evals = Lake(str(home / "lake")).read("evals", run_id="e2e").to_pylist()
     acc = {e["weight_version"]: e["value"] for e in evals if e["metric"] == "accuracy"}
     assert set(acc) == {0, ITERATIONS}, acc
-    assert acc[ITERATIONS] > acc[0] + 0.01, acc
+    # 500 held-out problems: one accuracy's standard error is ~0.02, so 20 iterations (+0.008
+    # once in CI) was within noise; at 40 the measured gain was +0.12 (0.648 -> 0.770)
+    assert acc[ITERATIONS] > acc[0] + 0.03, acc
     steps = Lake(str(home / "lake")).read("train_steps", run_id="e2e").to_pylist()
     assert len(steps) == ITERATIONS
     assert all(s["pg_loss"] is not None and s["grad_norm"] > 0 for s in steps)
