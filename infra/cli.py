@@ -70,7 +70,7 @@ def status(run_id: Annotated[str | None, typer.Argument()] = None, home: HomeOpt
     """List runs, or show one run's iterations, weight versions and evaluations."""
     from infra.status import show_status
 
-    show_status(console, lake_uri or str(Path(home) / "lake"), run_id)
+    show_status(console, lake_uri or str(Path(home) / "lake"), run_id, home)
 
 
 from infra.ops_cli import register as _register_ops  # noqa: E402 - replay, lineage, report, deploy, serve

@@ -3,22 +3,36 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from buffer import Lake
+from infra.recovery import run_owner
 
 
-def show_status(console: Console, lake_uri: str, run_id: str | None) -> None:
+def show_status(console: Console, lake_uri: str, run_id: str | None, home: str | None = None) -> None:
+    """Runs (or one run) from the lake; with ``home``, a run marked running that no live process
+    owns is shown as interrupted (a kill -9 leaves the lake saying "running")."""
     lake = Lake(lake_uri)
     if run_id is None:
-        _list_runs(console, lake)
+        _list_runs(console, lake, home)
     else:
-        _show_run(console, lake, run_id)
+        _show_run(console, lake, run_id, home)
 
 
-def _list_runs(console: Console, lake: Lake) -> None:
+def shown_status(run: dict, home: str | None) -> str:
+    """The run's status, "interrupted" for a "running" run whose owner process is gone."""
+    if run["status"] != "running" or home is None:
+        return run["status"]
+    run_dir = Path(home) / "runs" / run["run_id"]
+    if run_dir.exists() and run_owner(run_dir) is None:
+        return "interrupted"
+    return run["status"]
+
+
+def _list_runs(console: Console, lake: Lake, home: str | None) -> None:
     runs = lake.read("runs").to_pylist()
     if not runs:
         console.print(f"no runs in the lake at {lake.uri}")
@@ -27,19 +41,22 @@ def _list_runs(console: Console, lake: Lake) -> None:
     table = Table("run_id", "status", "iterations", "weight version", "updated", title="rlake runs")
     for run in sorted(runs, key=lambda r: str(r.get("created_at"))):
         mine = [s for s in steps if s["run_id"] == run["run_id"]]
-        table.add_row(run["run_id"], run["status"], str(len(mine)),
+        table.add_row(run["run_id"], shown_status(run, home), str(len(mine)),
                       str(max((s["weight_version"] for s in mine), default=0)), str(run.get("updated_at")))
     console.print(table)
 
 
-def _show_run(console: Console, lake: Lake, run_id: str) -> None:
+def _show_run(console: Console, lake: Lake, run_id: str, home: str | None) -> None:
     run = lake.get_run(run_id)
     if run is None:
         raise ValueError(f"no run '{run_id}' in the lake at {lake.uri}")
     steps = sorted(lake.read("train_steps", run_id=run_id).to_pylist(), key=lambda s: s["step"])
     evals = {e["weight_version"]: e["value"] for e in lake.read("evals", run_id=run_id).to_pylist()
              if e["metric"] == "accuracy"}
-    console.print(f"[bold]{run_id}[/]  status: {run['status']}  MLflow run: {run.get('mlflow_run_id')}")
+    status = shown_status(run, home)
+    console.print(f"[bold]{run_id}[/]  status: {status}  MLflow run: {run.get('mlflow_run_id')}")
+    if status == "interrupted":
+        console.print(f"  no live process owns it (killed?): rlake resume {run_id} --home {home}")
     if 0 in evals:
         console.print(f"held-out accuracy of weight version 0 (after SFT): {evals[0]:.3f}")
     table = Table("iteration", "version", "samples", "reward", "pg_loss", "clipfrac", "s/it", "eval acc")

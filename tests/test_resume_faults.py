@@ -129,6 +129,8 @@ def test_kill9_at_every_point_then_resume(shared, tmp_path):
         if first:  # the embedded server of the dead process is still there, parentless
             orphans = prefect_servers(home / "prefect")
             assert orphans, "expected the killed process's embedded server to survive it"
+            shown = rlake(["status", "chain", "--home", str(home)], cli_env(None), home / "status.log")
+            assert shown.returncode == 0 and "status: interrupted" in tail(home / "status.log")
         else:
             assert not [p for p in orphans if pid_alive(p)], "resume left the orphaned server running"
     done = rlake(["resume", "chain", "--home", str(home)], cli_env(url), home / "final.log")
