@@ -21,13 +21,18 @@ DEADLINE_S = 480
 
 def _completed_by_deployment(url: str) -> dict[str, list[str]]:
     from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     out: dict[str, list[str]] = {}
+    # only finished runs: an interval schedule creates ~100 future runs per deployment, which
+    # would push the completed ones off the API's first page
+    done = FlowRunFilter(state=dict(type=FlowRunFilterStateType(any_=[StateType.COMPLETED])))
     # settings, not os.environ: Prefect may already be imported (its settings read at import)
     with temporary_settings({PREFECT_API_URL: url}), get_client(sync_client=True) as client:
         names = {d.id: d.name for d in client.read_deployments()}
-        for fr in client.read_flow_runs():
+        for fr in client.read_flow_runs(flow_run_filter=done):
             if fr.deployment_id in names:
                 out.setdefault(names[fr.deployment_id], []).append(fr.state_type.value)
     return out
