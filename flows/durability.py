@@ -15,9 +15,18 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from infra.recovery import mark_crashed, orphan_servers, stop_processes
-from infra.runtime import Runtime
+from infra.recovery import (
+    claim_run,
+    mark_crashed,
+    orphan_servers,
+    release_run,
+    stop_processes,
+    tag_current_flow_run,
+)
+from infra.runtime import RUNTIMES, Runtime
 from rollout.context import rollout_stats_from_commit
 from rollout.data import POSITION_METRIC
 from rollout.sample import Sample
@@ -100,3 +109,37 @@ def recover(rt: Runtime, own_flow_run: str | None) -> dict:
     rt.tracker.set_tags({"rlake.last_resume": json.dumps(done)})
     rt.report("recovered", done)
     return done
+
+
+def close_runtime(rt: Runtime) -> None:
+    """Free what the runtime holds: the engine (servers), the trainer (its processes), its entry
+    in ``RUNTIMES``."""
+    rt.engine.shutdown()
+    if hasattr(rt.trainer, "close"):
+        rt.trainer.close()
+    RUNTIMES.pop(rt.run_id, None)
+
+
+@contextmanager
+def owned_run(rt: Runtime) -> Iterator[Runtime]:
+    """This process owns the run while inside: the run folder is claimed first (a second live
+    process stops here, before anything marks the run), then released and the runtime closed
+    whatever happens."""
+    try:
+        claim_run(rt.run_dir)
+    except ValueError:
+        close_runtime(rt)
+        raise
+    try:
+        yield rt
+    finally:
+        release_run(rt.run_dir)
+        close_runtime(rt)
+
+
+def start_or_recover(rt: Runtime, resume: bool) -> None:
+    """Tag this flow run with the run; on a resume, first repair what the crash left
+    (``recover``)."""
+    own_flow_run = tag_current_flow_run(rt.run_id)
+    if resume:
+        recover(rt, own_flow_run)

@@ -24,12 +24,12 @@ from prefect import flow, tags
 from prefect.settings import temporary_settings
 from prefect.utilities.annotations import quote
 
-from flows.durability import recover, register_version
-from flows.rl import FAST_FLOW_SETTINGS, _flat_params, has_eval, sft_warmup
+from flows.durability import owned_run, register_version, start_or_recover
+from flows.rl import FAST_FLOW_SETTINGS, _flat_params, eval_due, has_eval, sft_warmup
 from flows.steps import phase, train_and_commit
 from infra.config import config_from_dict
 from infra.faults import set_iteration
-from infra.recovery import claim_run, release_run, run_tag, tag_current_flow_run
+from infra.recovery import run_tag
 from infra.runtime import RUNTIMES, Runtime, new_run_id, open_runtime
 from rewards.registry import Scorer
 from rollout.sample import Sample, Status
@@ -115,39 +115,28 @@ def rl_replay(source_run: str, config: dict, run_id: str | None = None, iteratio
         cfg = config_from_dict(config)
         run_id = run_id or new_run_id()
         rt = open_runtime(cfg, run_id, resume=resume, replay=resume)
-        try:
-            claim_run(rt.run_dir)
-        except ValueError:
-            rt.engine.shutdown()
-            RUNTIMES.pop(run_id, None)
-            raise
-        if rescore:  # an rm_type name, or a module:function path
-            rt.reward_fn = rescorer(rt.cfg, rescore)
-        rt.tracker.start(run_id, params=_flat_params(rt.cfg),
-                         tags={"rlake.run_id": run_id, "rlake.replay_of": source_run,
-                               "rlake.replay_iterations": iterations or "all",
-                               "rlake.rescore": rescore or ""}, mlflow_run_id=rt.mlflow_run_id)
-        note = {"iterations": iterations, "rescore": rescore}
-        row = {"run_id": run_id, "config": rt.cfg.model_dump_json(), "mlflow_run_id": rt.tracker.run_id,
-               "replay_of": source_run, "parent_run_id": source_run, "notes": json.dumps(note)}
-        rt.lake.upsert_run({**row, "status": "running"})
-        try:
-            if resume:
-                recover(rt, tag_current_flow_run(run_id))
-            else:
-                tag_current_flow_run(run_id)
-            with tags(run_tag(run_id)):
-                n_iterations = replay_iterations(rt, source_run, iterations, rescore is not None)
-            rt.lake.upsert_run({**row, "status": "completed"})
-            rt.tracker.finish("FINISHED")
-        except BaseException:
-            rt.lake.upsert_run({**row, "status": "failed"})
-            rt.tracker.finish("FAILED")
-            raise
-        finally:
-            release_run(rt.run_dir)
-            rt.engine.shutdown()
-            RUNTIMES.pop(run_id, None)
+        with owned_run(rt):
+            if rescore:  # an rm_type name, or a module:function path
+                rt.reward_fn = rescorer(rt.cfg, rescore)
+            rt.tracker.start(run_id, params=_flat_params(rt.cfg),
+                             tags={"rlake.run_id": run_id, "rlake.replay_of": source_run,
+                                   "rlake.replay_iterations": iterations or "all",
+                                   "rlake.rescore": rescore or ""}, mlflow_run_id=rt.mlflow_run_id)
+            note = {"iterations": iterations, "rescore": rescore}
+            row = {"run_id": run_id, "config": rt.cfg.model_dump_json(),
+                   "mlflow_run_id": rt.tracker.run_id, "replay_of": source_run,
+                   "parent_run_id": source_run, "notes": json.dumps(note)}
+            rt.lake.upsert_run({**row, "status": "running"})
+            try:
+                start_or_recover(rt, resume)
+                with tags(run_tag(run_id)):
+                    n_iterations = replay_iterations(rt, source_run, iterations, rescore is not None)
+                rt.lake.upsert_run({**row, "status": "completed"})
+                rt.tracker.finish("FINISHED")
+            except BaseException:
+                rt.lake.upsert_run({**row, "status": "failed"})
+                rt.tracker.finish("FAILED")
+                raise
         return {"run_id": run_id, "replay_of": source_run, "iterations": n_iterations,
                 "home": str(rt.home), "lake_uri": rt.cfg.resolved_lake_uri, "mlflow_uri": rt.tracker.uri}
 
@@ -168,8 +157,7 @@ def replay_iterations(rt: Runtime, source_run: str, iterations: str | None, resc
         src_ckpt = rt.home / "runs" / source_run / "checkpoints" / f"v{base:06d}"
         rt.tracker.set_tags({"rlake.replay_start": _start_policy(rt, src_ckpt)})
         register_version(rt, 0, None, None, 0)
-    if not has_eval(rt, rt.trainer.weight_version) and (
-            rt.start_iteration == 0 or rt.start_iteration % rt.cfg.eval.eval_interval == 0):
+    if eval_due(rt, rt.start_iteration, len(by_iter)) and not has_eval(rt, rt.trainer.weight_version):
         evaluate(rt, rt.start_iteration)
     for j, it in enumerate(sorted(by_iter)):
         if j >= rt.start_iteration:

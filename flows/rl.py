@@ -19,18 +19,17 @@ resume, ``flows.durability`` reuses trajectories already in the lake and repairs
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
 from datetime import UTC, datetime
 
 from prefect import flow, tags
 from prefect.settings import temporary_settings
 from prefect.utilities.annotations import quote
 
-from flows.durability import recorded_samples, recover, register_version
+from flows.durability import owned_run, recorded_samples, register_version, start_or_recover
 from flows.steps import phase, train_and_commit
 from infra.config import RunConfig, config_from_dict
 from infra.faults import fault_point, set_iteration
-from infra.recovery import claim_run, release_run, run_tag, tag_current_flow_run
+from infra.recovery import run_tag
 from infra.runtime import RUNTIMES, Runtime, open_runtime
 from rollout.sample import Status
 from tasks.eval import evaluate
@@ -110,58 +109,43 @@ def set_reporter(reporter) -> None:
 
 def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
     rt = open_runtime(cfg, run_id, resume)
-    try:
-        claim_run(rt.run_dir)  # before anything marks the run: a second live process stops here
-    except ValueError:
-        rt.engine.shutdown()
-        RUNTIMES.pop(rt.run_id, None)
-        raise
-    rt.reporter = _REPORTER
-    reporter = rt.report
-    rt.tracker.start(rt.run_id, params=_flat_params(rt.cfg), tags={"rlake.run_id": rt.run_id},
-                     mlflow_run_id=rt.mlflow_run_id)
-    _update_run(rt, "running")
-    stack = ExitStack()
-    try:
-        if resume:
-            recover(rt, tag_current_flow_run(rt.run_id))
-        else:
-            tag_current_flow_run(rt.run_id)
-        stack.enter_context(tags(run_tag(rt.run_id)))  # every subflow run carries the tag
-        if rt.start_iteration == 0 and not rt.checkpoint_dir(0).exists():
-            if rt.cfg.sft.enabled and rt.cfg.sft.steps > 0:
-                reporter("sft_start", {"steps": rt.cfg.sft.steps})
-                sft_warmup(rt.run_id)
-            else:
-                publish_weights(rt, 0)
-            register_version(rt, 0, None, None, 0)
-        if _eval_due(rt, rt.start_iteration) and not has_eval(rt, rt.trainer.weight_version):
-            acc = evaluate(rt, rt.start_iteration)["accuracy"]
-            reporter("eval", {"iteration": rt.start_iteration, "accuracy": acc})
-        reporter("rl_start", {"start": rt.start_iteration, "total": rt.cfg.num_rollout})
-        for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
-            metrics = rl_iteration(rt.run_id, iteration)
-            reporter("iteration", {"iteration": iteration, **metrics})
-        _update_run(rt, "completed")
-        rt.tracker.finish("FINISHED")
-        return {"run_id": rt.run_id, "home": str(rt.home), "lake_uri": rt.cfg.resolved_lake_uri,
-                "mlflow_uri": rt.tracker.uri, "checkpoints": str(rt.checkpoint_root)}
-    except BaseException:
-        _update_run(rt, "failed")
-        rt.tracker.finish("FAILED")
-        raise
-    finally:
-        stack.close()
-        release_run(rt.run_dir)
-        rt.engine.shutdown()
-        if hasattr(rt.trainer, "close"):
-            rt.trainer.close()
-        RUNTIMES.pop(rt.run_id, None)
+    with owned_run(rt):
+        rt.reporter = _REPORTER
+        reporter = rt.report
+        rt.tracker.start(rt.run_id, params=_flat_params(rt.cfg), tags={"rlake.run_id": rt.run_id},
+                         mlflow_run_id=rt.mlflow_run_id)
+        _update_run(rt, "running")
+        try:
+            start_or_recover(rt, resume)
+            with tags(run_tag(rt.run_id)):  # every subflow run carries the tag
+                if rt.start_iteration == 0 and not rt.checkpoint_dir(0).exists():
+                    if rt.cfg.sft.enabled and rt.cfg.sft.steps > 0:
+                        reporter("sft_start", {"steps": rt.cfg.sft.steps})
+                        sft_warmup(rt.run_id)
+                    else:
+                        publish_weights(rt, 0)
+                    register_version(rt, 0, None, None, 0)
+                if eval_due(rt, rt.start_iteration, rt.cfg.num_rollout) and \
+                        not has_eval(rt, rt.trainer.weight_version):
+                    acc = evaluate(rt, rt.start_iteration)["accuracy"]
+                    reporter("eval", {"iteration": rt.start_iteration, "accuracy": acc})
+                reporter("rl_start", {"start": rt.start_iteration, "total": rt.cfg.num_rollout})
+                for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
+                    metrics = rl_iteration(rt.run_id, iteration)
+                    reporter("iteration", {"iteration": iteration, **metrics})
+            _update_run(rt, "completed")
+            rt.tracker.finish("FINISHED")
+            return {"run_id": rt.run_id, "home": str(rt.home), "lake_uri": rt.cfg.resolved_lake_uri,
+                    "mlflow_uri": rt.tracker.uri, "checkpoints": str(rt.checkpoint_root)}
+        except BaseException:
+            _update_run(rt, "failed")
+            rt.tracker.finish("FAILED")
+            raise
 
 
-def _eval_due(rt: Runtime, done: int) -> bool:
-    """After ``done`` iterations: at the start, every ``eval_interval``, and at the end."""
-    return done == 0 or done % rt.cfg.eval.eval_interval == 0 or done == rt.cfg.num_rollout
+def eval_due(rt: Runtime, done: int, total: int) -> bool:
+    """After ``done`` of ``total`` iterations: at the start, every ``eval_interval``, at the end."""
+    return done == 0 or done % rt.cfg.eval.eval_interval == 0 or done == total
 
 
 def has_eval(rt: Runtime, version: int) -> bool:
