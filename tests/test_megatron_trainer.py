@@ -18,6 +18,7 @@ from tests.megatron_helpers import (
     trainer_config,
     weights_of,
 )
+from trainers.megatron import gpu
 from trainers.megatron.launch import SpawnedMegatronTrainer, make_megatron_trainer
 from trainers.megatron.trainer import MegatronTrainer
 
@@ -134,8 +135,14 @@ def test_sft_step_lowers_loss(ckpt, batch):
     assert last < first - 0.05
 
 
-def test_pipeline_parallel_on_cpu_is_refused(ckpt):
-    with pytest.raises(ValueError, match="pipeline_model_parallel_size=2"):
+def test_pipeline_parallel_is_refused_where_it_cannot_run(ckpt):
+    """PP=2 in this single process: on CPU, refused because PP needs megatron's GPU schedules;
+    on a GPU host the schedules exist, but a world of one process cannot hold two stages."""
+    if torch.cuda.is_available():
+        expected = "world size 1 is not a multiple of .* pipeline_model_parallel_size = 2"
+    else:
+        expected = "pipeline_model_parallel_size=2: pipeline parallelism needs .* GPUs"
+    with pytest.raises(ValueError, match=expected):
         MegatronTrainer(trainer_config(pipeline_model_parallel_size=2), ckpt[0])
 
 
@@ -179,3 +186,53 @@ def test_rank_failure_is_reported(tmp_path):
     """A rank that cannot start (no checkpoint) surfaces as an error naming the cause."""
     with pytest.raises(RuntimeError, match="megatron rank failed"):
         SpawnedMegatronTrainer(trainer_config(tensor_model_parallel_size=2), str(tmp_path))
+
+
+def test_trailing_samples_get_an_optimizer_step(ckpt, tp1):
+    """12 samples with global_batch_size 8: two steps, the second on the 4 trailing samples
+    (they used to be dropped by ``range(0, n - step + 1, step)``). The first 8 samples are
+    ``batch``, so after the first step the weights are tp1's; the second must move them on."""
+    trainer = MegatronTrainer(trainer_config(), ckpt[0])
+    metrics = trainer.train(make_batch(n_groups=3, n_per=4))
+    weights = trainer.hf_state_dict()
+    trainer.close()
+    assert metrics["optimizer_steps"] == 2.0
+    moved = max(float((weights[k] - tp1[2][k]).abs().max()) for k in weights)
+    assert moved > 1e-5, "the trailing samples did not change the weights"
+
+
+def test_step_spans_cover_every_sample_once():
+    assert gpu.step_spans(12, 8) == [(0, 8), (8, 4)]
+    assert gpu.step_spans(16, 8) == [(0, 8), (8, 8)]
+    assert gpu.step_spans(5, 8) == [(0, 5)]
+    for n, step in ((1, 1), (7, 3), (256, 256), (300, 64)):
+        spans = gpu.step_spans(n, step)
+        assert [i for s, k in spans for i in range(s, s + k)] == list(range(n))
+
+
+def test_equal_size_groups_split_where_the_size_changes():
+    chunks = list(torch.arange(10).split(4))  # sizes 4, 4, 2
+    groups = gpu._equal_size_groups(chunks)
+    assert [[len(c) for c in g] for g in groups] == [[4, 4], [2]]
+    assert torch.equal(torch.cat([c for g in groups for c in g]), torch.arange(10))
+    assert gpu._equal_size_groups([]) == []
+
+
+def test_gpu_step_sizes_must_split_into_equal_micro_batches():
+    gpu.check_step_sizes(8, [8, 8], dp=2, micro=4)
+    gpu.check_step_sizes(8, [8, 4], dp=1, micro=4)  # a trailing step of whole micro-batches
+    with pytest.raises(ValueError, match="global_batch_size=6 must be a multiple of data parallel size 2"):
+        gpu.check_step_sizes(6, [6], dp=2, micro=2)
+    with pytest.raises(ValueError, match="batch of 11 samples leaves a last optimizer step of 3"):
+        gpu.check_step_sizes(8, [8, 3], dp=1, micro=4)
+
+
+def test_micro_batches_are_this_dp_ranks_contiguous_part():
+    class Rank:  # the two attributes _micro_batches reads, as MegatronTrainer has them
+        dp, dp_rank = 2, 1
+
+        def _dp_slice(self, idx):
+            return MegatronTrainer._dp_slice(self, idx)
+
+    got = gpu._micro_batches(Rank(), start=8, step=8, micro=2)
+    assert [c.tolist() for c in got] == [[12, 13], [14, 15]]

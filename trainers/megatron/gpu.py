@@ -96,7 +96,16 @@ def forward_only_logprobs(trainer: Any, model: Any, pb: Any) -> Tensor:
     return out
 
 
+def step_spans(n: int, step: int) -> list[tuple[int, int]]:
+    """(start, size) of each optimizer step over ``n`` samples taken ``step`` at a time:
+    ceil(n / step) steps, the last one holding the n mod step trailing samples (as the torch
+    trainer does; none are dropped)."""
+    return [(start, min(step, n - start)) for start in range(0, n, step)]
+
+
 def _equal_size_groups(chunks: list[Tensor]) -> list[list[Tensor]]:
+    """Consecutive chunks of equal length grouped together (a schedule call needs equal-size
+    micro-batches; only the last chunk of a split can be shorter)."""
     groups: list[list[Tensor]] = []
     for c in chunks:
         if groups and len(groups[-1][0]) == len(c):
@@ -104,6 +113,19 @@ def _equal_size_groups(chunks: list[Tensor]) -> list[list[Tensor]]:
         else:
             groups.append([c])
     return groups
+
+
+def check_step_sizes(step: int, sizes: list[int], dp: int, micro: int) -> None:
+    """Every optimizer step must split into equal micro-batches on every DP rank: each step
+    size a multiple of dp * micro_batch_size (the last step holds the trailing samples)."""
+    if step % (dp * micro):
+        raise ValueError(f"trainer.global_batch_size={step} must be a multiple of data parallel "
+                         f"size {dp} * micro_batch_size {micro} on GPU")
+    if sizes and sizes[-1] % (dp * micro):
+        raise ValueError(f"a batch of {sum(sizes)} samples leaves a last optimizer step of "
+                         f"{sizes[-1]} (trainer.global_batch_size={step}), not a multiple of data "
+                         f"parallel size {dp} * micro_batch_size {micro} on GPU: make the training "
+                         "batch a multiple of it")
 
 
 def optimize(trainer: Any, pb: Any, step: int, micro: int,
@@ -116,17 +138,16 @@ def optimize(trainer: Any, pb: Any, step: int, micro: int,
     Metrics are the last stage's, averaged over micro-batches, DP ranks and steps."""
     from megatron.core import parallel_state as ps
 
-    if step % (trainer.dp * micro):
-        raise ValueError(f"trainer.global_batch_size={step} must be a multiple of data parallel "
-                         f"size {trainer.dp} * micro_batch_size {micro} on GPU")
     n = pb.input_ids.shape[0]
+    spans = step_spans(n, step)
+    check_step_sizes(step, [size for _, size in spans], trainer.dp, micro)
     totals: dict[str, float] = {}
     steps = 0
-    for start in range(0, n - step + 1, step):
+    for start, size in spans:
         trainer.model.zero_grad_buffer()
         trainer.optimizer.zero_grad()
         results = _run_schedule(trainer, trainer.model, pb,
-                                _micro_batches(trainer, start, step, micro),
+                                _micro_batches(trainer, start, size, micro),
                                 loss_from_logits, forward_only=False)
         ok, grad_norm, _ = trainer.optimizer.step()
         if not ok:

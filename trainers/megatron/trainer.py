@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from trainers.base import PaddedBatch, TrainBatch, pad_batch
 from trainers.megatron import losses
+from trainers.megatron.gpu import step_spans
 from trainers.megatron.losses import cfg_get
 from trainers.megatron.model import (
     build_gpt_model,
@@ -248,7 +249,7 @@ class MegatronTrainer:
 
     # ---- RL ----
     def train(self, batch: TrainBatch) -> dict[str, float]:
-        """Old log-probs, advantages, then floor(B / global_batch_size) optimizer steps (the
+        """Old log-probs, advantages, then ceil(B / global_batch_size) optimizer steps (the
         torch trainer's schedule); metrics averaged over steps."""
         cfg = self.cfg
         pb = pad_batch(batch, self.pad_token_id).to(self._device)
@@ -289,16 +290,16 @@ class MegatronTrainer:
         totals: dict[str, float] = {}
         steps = 0
         params = [p for p in self.model.parameters() if p.requires_grad]
-        for start in range(0, n - step + 1, step):
+        for start, size in step_spans(n, step):
             self.optimizer.zero_grad(set_to_none=False)
-            mine = self._dp_slice(torch.arange(start, start + step))
+            mine = self._dp_slice(torch.arange(start, start + size))
             for m0 in range(0, len(mine), micro):
                 idx = mine[m0:m0 + micro]
                 loss, terms = loss_from_logits(idx, forward_logits(self.model,
                                                                    pb.input_ids[idx]))
-                (loss * len(idx) / step).backward()
+                (loss * len(idx) / size).backward()
                 for k, v in terms.items():
-                    totals[k] = totals.get(k, 0.0) + v * len(idx) / step
+                    totals[k] = totals.get(k, 0.0) + v * len(idx) / size
             if self.dp > 1:
                 for p in params:
                     dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
