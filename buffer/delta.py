@@ -31,6 +31,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction, WriterPropertie
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from buffer.schema import KEYS, PARTITIONS, SCHEMA_VERSION, SCHEMA_VERSION_KEY, arrow_schema
+from infra.faults import armed, fault_point
 
 MAX_ATTEMPTS = 200
 GUARDS_KEY = "rlake.guards"
@@ -296,14 +297,31 @@ def guarded_append(
                                                   "rlake.rows": new.num_rows,
                                                   GUARDS_KEY: json.dumps(guards), **(commit_info or {})},
                                  app_transactions=txns)
+        source = stream_with_fault(new) if name == "trajectories" and armed(MID_APPEND) else new
         try:
-            write_deltalake(dt, new, mode="append", schema_mode="merge", commit_properties=props)
+            write_deltalake(dt, source, mode="append", schema_mode="merge", commit_properties=props)
         except CommitFailedError as e:
             last = e
             time.sleep(backoff(attempt))
             continue
         return dt.version()
     raise RuntimeError(f"{name}: gave up after {MAX_ATTEMPTS} conflicting commits: {last}")
+
+
+MID_APPEND = "during_lake_append"
+
+
+def stream_with_fault(data: pa.Table) -> pa.RecordBatchReader:
+    """``data`` as a stream of two halves that kills the process (``MID_APPEND``) when the
+    writer asks for the second half: the kill lands inside the Delta write by construction."""
+    half = max(1, data.num_rows // 2)
+
+    def batches():
+        first, *rest = data.combine_chunks().to_batches(max_chunksize=half)
+        yield first
+        fault_point(MID_APPEND)
+        yield from rest
+    return pa.RecordBatchReader.from_batches(data.schema, batches())
 
 
 def find_commit_info(dt: DeltaTable, guard: str, page: int = 100) -> dict | None:

@@ -16,6 +16,8 @@ import signal
 ENV = "RLAKE_FAULT"
 POINTS: dict[str, str] = {
     "during_generate": "engine generated the iteration's samples, nothing written yet",
+    "during_lake_append": "inside the trajectories' Delta write: part of the rows handed to the "
+                          "writer, nothing committed",
     "after_lake_append": "the iteration's trajectories are committed to the lake, not trained on",
     "during_train": "the trainer updated the weights in memory, nothing saved",
     "during_checkpoint_save": "the checkpoint's temporary folder is written, not renamed into place",
@@ -47,10 +49,13 @@ def set_iteration(iteration: int) -> None:
     _STATE["iteration"] = iteration
 
 
+def armed(name: str) -> bool:
+    """Whether ``fault_point(name)`` would kill the process now (at the current iteration)."""
+    spec = os.environ.get(ENV)
+    return bool(spec) and parse_faults(spec).get(name) == _STATE["iteration"]
+
+
 def fault_point(name: str) -> None:
     """SIGKILL this process if ``RLAKE_FAULT`` names ``name`` at the current iteration."""
-    spec = os.environ.get(ENV)
-    if not spec:
-        return
-    if parse_faults(spec).get(name) == _STATE["iteration"]:
+    if armed(name):
         os.kill(os.getpid(), signal.SIGKILL)

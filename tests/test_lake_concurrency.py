@@ -8,7 +8,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -64,11 +63,13 @@ CHILD = """
 import sys
 from buffer import Lake
 from buffer.synth import relabel
+from infra.faults import set_iteration
 from tests.test_lake_concurrency import base_batch
 lake = Lake(sys.argv[1])
 base = base_batch()
 for it in range(int(sys.argv[2]), int(sys.argv[3])):
     batch = relabel(base, "run", it)
+    set_iteration(it)
     print("start", it, flush=True)
     lake.append_trajectories(batch)
     print("done", it, flush=True)
@@ -80,37 +81,29 @@ def _files_on_disk(uri: str) -> set[str]:
 
 
 def test_sigkill_mid_append_leaves_whole_batches(tmp_path):
+    """Five writer processes, each killed (SIGKILL) inside the Delta write of one batch by the
+    ``during_lake_append`` fault point: after each, the table reads whole batches only."""
     uri = str(tmp_path / "lake")
     rng = random.Random(0)
-    n_iters, killed_mid_append = 10, 0
-    start = 0
+    n_iters, start = 10, 0
     for _ in range(5):
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, uri, str(start), str(n_iters)], cwd=ROOT,
-                                stdout=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
-        # time one whole append, then kill the next one at a random point inside it
-        first = proc.stdout.readline()
-        t0 = time.perf_counter()
-        second = proc.stdout.readline()
-        took = time.perf_counter() - t0
-        third = proc.stdout.readline()
-        if not third:
-            proc.wait()
-            break
-        time.sleep(rng.uniform(0.05, 0.95) * took)
-        proc.send_signal(signal.SIGKILL)
-        out, _ = proc.communicate()
-        lines = [first.strip(), second.strip(), third.strip(), *out.split("\n")]
-        started = [int(x.split()[1]) for x in lines if x.startswith("start")]
-        done = [int(x.split()[1]) for x in lines if x.startswith("done")]
-        killed_mid_append += bool(started) and (not done or started[-1] > done[-1])
+        kill_at = rng.randrange(start, n_iters)
+        proc = subprocess.run([sys.executable, "-c", CHILD, uri, str(start), str(n_iters)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=900,
+                              env={**os.environ, "PYTHONPATH": str(ROOT),
+                                   "RLAKE_FAULT": f"during_lake_append:{kill_at}"})
+        assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-2000:])
+        lines = proc.stdout.split()
+        started = [int(n) for w, n in zip(lines[::2], lines[1::2], strict=True) if w == "start"]
+        done = [int(n) for w, n in zip(lines[::2], lines[1::2], strict=True) if w == "done"]
+        # killed inside the append of kill_at, after every earlier one completed
+        assert (started, done) == (list(range(start, kill_at + 1)), list(range(start, kill_at)))
         # the table is readable and every batch is all there or not there at all
         lake = Lake(uri)
-        if lake.table_version("trajectories") is not None:
-            counts = Counter(lake.read("trajectories", columns=["iteration"]).column(0).to_pylist())
-            assert set(counts.values()) <= {BIG}, counts
-            start = len(counts)
-    assert killed_mid_append >= 1
+        counts = Counter(lake.read("trajectories", columns=["iteration"]).column(0).to_pylist()) \
+            if lake.table_version("trajectories") is not None else Counter()
+        assert counts == {it: BIG for it in range(kill_at)}, counts
+        start = kill_at
     # re-running the appends completes the table, writing each batch once
     lake, base = Lake(uri), base_batch()
     for it in range(n_iters):

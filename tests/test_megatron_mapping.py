@@ -120,8 +120,12 @@ def test_tp_shards_merge_back_exactly(kind, tie, tp):
     shape = ModelShape.from_hf_config(hf.config)
     want = hf_weights(hf)
     shards = [hf_to_megatron(want, shape, r, tp) for r in range(tp)]
-    emb = shards[0]["embedding.word_embeddings.weight"]
-    assert emb.shape[0] * tp >= 30 and emb.shape[0] * tp % tp == 0
+    # vocab 30 padded to ceil(30 / tp) * tp rows, split evenly: the HF rows, then zero rows
+    embs = [s["embedding.word_embeddings.weight"] for s in shards]
+    assert {e.shape[0] for e in embs} == {-(-30 // tp)}
+    full = torch.cat(embs)
+    assert torch.equal(full[:30], want["model.embed_tokens.weight"])
+    assert full.shape[0] - 30 < tp and not full[30:].any()
     qkv0 = shards[0]["decoder.layers.0.self_attention.linear_qkv.weight"]
     d, g = shape.head_dim, 4 // tp
     q, k, v = split_qkv(qkv0, g, 2 * d, d)

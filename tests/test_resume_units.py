@@ -86,11 +86,17 @@ def test_prune_never_deletes_committed_or_newer(tmp_path):
 
 
 def _spawn_orphan(prefect_home: Path) -> int:
-    """A process that looks like an embedded Prefect server and whose parent has exited."""
-    pid_file = prefect_home / "orphan.pid"
-    code = "import time; time.sleep(120)"
-    script = (f"{sys.executable} -c '{code}' {SERVER_SIGNATURE} >/dev/null 2>&1 & echo $! > {pid_file}")
+    """A process that looks like an embedded Prefect server and whose parent has exited.
+    Returns once it runs Python (it writes a file then): before that its command line is the
+    shell's, not a server's."""
+    pid_file, ready = prefect_home / "orphan.pid", prefect_home / "orphan.ready"
+    code = f"import pathlib, time; pathlib.Path({str(ready)!r}).touch(); time.sleep(120)"
+    script = f'{sys.executable} -c "{code}" {SERVER_SIGNATURE} >/dev/null 2>&1 & echo $! > {pid_file}'
     subprocess.run(["sh", "-c", script], env={**os.environ, "PREFECT_HOME": str(prefect_home)}, check=True)
+    guard = time.monotonic() + 300  # a hang guard, not a speed expectation
+    while not ready.exists():
+        assert time.monotonic() < guard, "the orphan process never started Python"
+        time.sleep(0.05)
     return int(pid_file.read_text())
 
 
@@ -103,9 +109,6 @@ def test_orphan_server_found_and_stopped(tmp_path):
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", SERVER_SIGNATURE],
                              env={**os.environ, "PREFECT_HOME": str(tmp_path / "elsewhere")})
     try:
-        deadline = time.monotonic() + 10
-        while orphan not in orphan_servers(home) and time.monotonic() < deadline:
-            time.sleep(0.1)
         found = orphan_servers(home)
         # the orphan: yes; a live child of a Python process (ours): no; another PREFECT_HOME: no
         assert found == [orphan]
