@@ -2,7 +2,7 @@
 Prefect say afterwards; with ``deterministic: true`` the final weights must equal, bit for bit,
 those of an uninterrupted run with the same seed.
 
-One run crashes at point k during iteration k (k = 0..6) and is resumed after each crash; a
+One run crashes at point k during iteration k (k = 0..len(POINTS)-1) and is resumed after each crash; a
 reference run goes uninterrupted (concurrently). The CLI runs in subprocesses against one shared
 Prefect server (the server start dominates otherwise), except the first process, which uses its
 own embedded server so that resume has a real orphaned server to stop.
@@ -23,7 +23,8 @@ from infra.recovery import pid_alive, prefect_servers, run_tag
 from tests.opshelp import TINY, cli_env, rlake, tail
 
 N_ITER = len(POINTS) + 1
-EVAL_INTERVAL = 7  # evals after iterations 7 (= the during_mlflow_log crash) and 8
+EVAL_INTERVAL = len(POINTS)  # evals after the during_mlflow_log crash's iteration and the last
+REUSE_AT = list(POINTS).index("after_lake_append")
 # the tiny model never gets an addition right: with a 0/1 reward every advantage would be 0 and
 # the weights would move by weight decay alone, whatever the data; a length reward makes the
 # final weights depend on every trajectory
@@ -122,7 +123,7 @@ def test_kill9_at_every_point_then_resume(shared, tmp_path):
     for k, point in enumerate(POINTS):
         first = k == 0
         args = _args(home, "chain") if first else ["resume", "chain", "--home", str(home)]
-        env = cli_env(None if first else url, RLAKE_FAULT=f"{point}:{k}")
+        env = cli_env(None if first else url, RLAKE_FAULT=f"{point}:{k}", COLUMNS="200")
         log = home / f"crash-{k}.log"
         proc = rlake(args, env, log)
         assert proc.returncode == -signal.SIGKILL, f"{point}: {tail(log)}"
@@ -135,6 +136,13 @@ def test_kill9_at_every_point_then_resume(shared, tmp_path):
             assert not [p for p in orphans if pid_alive(p)], "resume left the orphaned server running"
     done = rlake(["resume", "chain", "--home", str(home)], cli_env(url), home / "final.log")
     assert done.returncode == 0, tail(home / "final.log")
+    # reuse, not regeneration: only the resume after after_lake_append printed the reuse report
+    # (rl_iteration skips generate_rollouts in that branch alone); a crash before the commit of
+    # the rows (during_generate, during_lake_append) leaves nothing to reuse
+    reused = {k: "reusing its" in (home / f"crash-{k}.log").read_text() for k in range(1, len(POINTS))}
+    assert reused == {k: k == REUSE_AT + 1 for k in reused}, reused
+    assert (f"iteration {REUSE_AT}: reusing its 16 samples already in the lake (no generation)"
+            in (home / f"crash-{REUSE_AT + 1}.log").read_text())
     assert ref.wait(timeout=900) == 0, tail(ref_log)
     assert prefect_servers(home / "prefect") == [], "a Prefect server process was left behind"
 
