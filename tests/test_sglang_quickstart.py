@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from buffer import Lake
+from tests.learning import assert_learned
 
 pytestmark = pytest.mark.sglang
 ITERATIONS = 20
@@ -21,7 +22,8 @@ def test_sglang_engine_learns_the_quickstart_task(tmp_path, cli, warm_model):
     evals = sorted((e["weight_version"], e["value"]) for e in lake.read("evals", run_id="sglang").to_pylist()
                    if e["metric"] == "accuracy")
     assert [v for v, _ in evals] == [0, ITERATIONS]
-    assert evals[-1][1] - evals[0][1] >= 0.03, evals
+    gain = assert_learned(lake, "sglang", 0, ITERATIONS)  # >= 3 standard errors, paired
+    assert gain == pytest.approx(evals[-1][1] - evals[0][1])
     rows = lake.read("trajectories", run_id="sglang").to_pylist()
     train = [r for r in rows if r["kind"] == "train"]
     assert {r["engine"] for r in train} == {"sglang"}
