@@ -31,6 +31,22 @@ def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: float =
     return proc
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Tests marked ``sglang`` need the SGLang environment: without it they fail (they are core
+    tests, never skipped) with the command that builds it, before any fixture starts a server."""
+    if item.get_closest_marker("sglang") is None:
+        return
+    from rollout.sglang.server import sglang_python
+
+    try:
+        sglang_python()
+        return
+    except FileNotFoundError as err:
+        missing = str(err)
+    pytest.fail(f"{missing} -- the SGLang tests need it: run `make setup-sglang` first", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def cli():
     return run_cli

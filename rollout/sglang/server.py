@@ -29,7 +29,8 @@ def sglang_python(python: str | None = None) -> str:
     path = python or os.environ.get("RLAKE_SGLANG_PYTHON") or str(REPO_ROOT / ".venv-sglang/bin/python")
     if not Path(path).exists():
         raise FileNotFoundError(
-            f"SGLang python {path!r} not found: run scripts/setup_sglang.sh (or set rollout.sglang.python)"
+            f"SGLang python {path!r} not found: run `make setup-sglang` (scripts/setup_sglang.sh), "
+            "or set rollout.sglang.python"
         )
     return path
 
