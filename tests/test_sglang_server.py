@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from functools import cache
 
 import pytest
@@ -24,6 +25,20 @@ pytestmark = pytest.mark.sglang
 torch.set_num_threads(1)
 TOL = 1e-4
 PROMPTS = [[3, 4, 12, 5, 13], [5, 5, 13], [2, 3, 4, 5, 6, 7], [9, 9, 12, 8, 13]]
+HANG_GUARD_S = 900  # bounded waits on events fail with a message after this, never a speed check
+
+
+def wait_until(predicate, what: str) -> None:
+    """Poll ``predicate`` (an event we cannot be notified of) until true; a hang guard."""
+    guard = time.monotonic() + HANG_GUARD_S
+    while not predicate():
+        assert time.monotonic() < guard, f"hang guard: {what}"
+        time.sleep(0.01)
+
+
+def live_requests(batch) -> int:
+    with batch._lock:
+        return len(batch._live)
 
 
 @cache
@@ -109,23 +124,30 @@ def test_distributed_sync_then_outputs_follow_new_checkpoint(engine, ckpts):
 
 def test_sync_during_rollout_keeps_each_sample_on_one_version(engine, ckpts):
     """pause_generation(abort) + re-issue: a batch in flight across a weight update completes,
-    and every sample's logprobs match the one checkpoint its weight version names."""
+    and every sample's logprobs match the one checkpoint its weight version names. The update
+    starts once the first sample is done (so some are on the old version) while the rest (32
+    prompts, 16 at a time) are in flight or queued (so some must come from the new one)."""
     prompts = PROMPTS * 8
     batch = engine.start(prompts, SamplingParams(max_new_tokens=24, temperature=1.0))
-    time.sleep(0.5)
+    done, _ = wait(batch.futures, timeout=HANG_GUARD_S, return_when=FIRST_COMPLETED)
+    assert done, "hang guard: no sample finished"
+    assert live_requests(batch) > 0, "the batch finished before the update: nothing in flight"
     engine.update_weights(ckpts["a"], 4)
     results = batch.results()
     assert all(r.finish_reason in ("stop", "length") for r in results)
     by_version = {"3": ckpts["b"], "4": ckpts["a"]}
     for p, r in zip(prompts, results, strict=True):
         assert (recompute(by_version[r.meta["weight_version"]], p, r, 1.0) - torch.tensor(r.logprobs)).abs().mean() < TOL
-    assert any(r.meta["weight_version"] == "4" for r in results)
+    versions = [r.meta["weight_version"] for r in results]
+    assert "3" in versions and "4" in versions, versions  # the batch spans the update
 
 
 def test_abort_surplus_requests(engine):
     before = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4))
     batch = engine.start(PROMPTS * 16, SamplingParams(max_new_tokens=64, temperature=1.0))
-    assert batch.abort() >= 0
+    wait_until(lambda: live_requests(batch) > 0, "no request of the batch went live")
+    live = batch.abort()
+    assert 1 <= live <= engine.config.concurrency  # the live requests were aborted, and only those
     results = batch.results()
     assert len(results) == 64
     aborted = [r for r in results if r.finish_reason == "abort"]
@@ -156,17 +178,16 @@ def test_dead_and_hung_servers_are_restarted_and_batch_completes(engine, ckpts):
     dead, hung = engine.workers
     prompts = PROMPTS * 8
     batch = engine.start(prompts, SamplingParams(max_new_tokens=32, temperature=1.0))
-    time.sleep(1.0)
+    wait_until(lambda: dead.inflight > 0 and hung.inflight > 0, "requests never reached both servers")
     os.killpg(dead.server.pid, signal.SIGKILL)
     os.killpg(hung.server.pid, signal.SIGSTOP)
     results = batch.results()
     assert len(results) == len(prompts)
     assert all(r.finish_reason in ("stop", "length") for r in results)
     assert mismatch(ckpts["a"], prompts, results, 1.0) < TOL
-    deadline = time.monotonic() + engine.config.startup_timeout_s
-    while not all(w.restarts >= 1 and w.up for w in (dead, hung)):
-        assert time.monotonic() < deadline, "the monitors did not restart both servers"
-        time.sleep(1.0)
+    with engine._cond:  # notified whenever a worker goes up or down
+        assert engine._cond.wait_for(lambda: all(w.restarts >= 1 and w.up for w in (dead, hung)),
+                                     timeout=HANG_GUARD_S), "hang guard: both servers not restarted"
     assert engine.stats["restarts"] >= 2 and engine.stats["reissued"] > 0
     for w in (dead, hung):
         assert w.server.alive() and served_weight_version(engine.http, w.url) == "4"
