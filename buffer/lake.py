@@ -296,6 +296,19 @@ class Lake:
         meta = {**(data.schema.metadata or {}), LAKE_VERSION_KEY: str(version).encode()}
         return data.replace_schema_metadata(meta)
 
+    def iteration_rows(self, run_id: str, iteration: int, kind: str) -> pa.Table:
+        """``run_id``'s trajectories of one ``iteration`` and ``kind``, whatever weight version
+        generated them (only files whose statistics can match are opened)."""
+        with self._lock:
+            dt = self._table("trajectories")
+            if dt is None:
+                return conform(arrow_schema("trajectories").empty_table(), "trajectories")
+            pred = [("run_id", "=", run_id), ("iteration", "=", int(iteration)), ("kind", "=", kind)]
+            flt = ((pc.field("run_id") == run_id) & (pc.field("iteration") == int(iteration))
+                   & (pc.field("kind") == kind))
+            data = delta.to_dataset(dt, pred).to_table(filter=flt)
+        return conform(data, "trajectories")
+
     def _consumed(self, run_id: str, min_version: int | None = None) -> pa.Array:
         """Distinct sample_uids consumed by ``run_id``'s train steps, as an Arrow string array.
 

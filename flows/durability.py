@@ -32,15 +32,15 @@ from rollout.data import POSITION_METRIC
 from rollout.sample import Sample
 
 
-def recorded_samples(rt: Runtime, iteration: int, base_version: int
-                     ) -> tuple[list[Sample], dict[str, float]] | None:
+def recorded_samples(rt: Runtime, iteration: int) -> tuple[list[Sample], dict[str, float]] | None:
     """The iteration's trajectories and rollout stats if a previous process committed them but
     did not train on them (checked for the first iteration of a process only; later ones cannot
     have any). The data position moves to where that rollout left it, as if it had just run."""
     if iteration != rt.start_iteration:
         return None
-    rows = rt.lake.training_slice(rt.run_id, base_version, base_version).to_pylist()
-    rows = [r for r in rows if r["iteration"] == iteration]
+    # every train row of the iteration, not only those of base_version: with partial rollouts a
+    # group finished by an older policy (surplus last time) is kept with its older version
+    rows = rt.lake.iteration_rows(rt.run_id, iteration, "train").to_pylist()
     if not rows:
         return None
     rows.sort(key=lambda r: r["sample_index"])

@@ -60,7 +60,7 @@ def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
     base_version = rt.trainer.weight_version
     set_iteration(iteration)
     rt.seed_iteration(iteration)
-    recorded = recorded_samples(rt, iteration, base_version)  # a resume after the lake append
+    recorded = recorded_samples(rt, iteration)  # a resume after the lake append
     if recorded is not None:
         samples, rollout_stats = recorded
         timings["generate"] = 0.0
