@@ -90,7 +90,8 @@ def test_resume_reuses_recorded_samples_with_dynamic_partial_staleness(shared, t
     home, url = shared
     ref_home = tmp_path / "ref"
     ref_home.mkdir()
-    ref = rlake(_args(ref_home, "ref"), cli_env(None), ref_home / "ref.log", background=True)
+    # its own home (lake, MLflow, checkpoints), the shared Prefect server (no embedded start)
+    ref = rlake(_args(ref_home, "ref"), cli_env(url), ref_home / "ref.log", background=True)
     _crash_after_append(home, url, "dyn")
     out = _resume(home, url, "dyn")
     assert REUSED in out, out[-3000:]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -273,3 +274,83 @@ def test_sync_with_no_server_up_is_refused(fakes):
             assert not eng._syncing.is_set() and a.calls.get("/pause_generation", 0) == 0
         finally:
             eng.workers[0].server = None  # shutdown would stop it otherwise
+
+
+class FakeLaunch:
+    """Stands in for the process handle of a server the engine launched (``SGLangServer``):
+    ``relaunch`` brings the fake back up at the given checkpoint's version, running ``during``
+    first (what happens while the real server would be starting)."""
+
+    name = "fake-sglang"
+    pid = -1
+
+    def __init__(self, fake: FakeSGLang) -> None:
+        self.fake, self.up, self.relaunched, self.during = fake, True, [], None
+
+    def alive(self) -> bool:
+        return self.up
+
+    def relaunch(self, path: str, version: str) -> None:
+        self.relaunched.append((path, version))
+        if self.during is not None:
+            self.during()
+        self.fake.version, self.up = version, True
+
+    def log_tail(self) -> str:
+        return ""
+
+    def stop(self) -> None:
+        self.up = False
+
+
+def test_weight_sync_landing_during_a_restart_reaches_the_restarted_server(fakes):
+    """Server a dies; while it restarts (from the checkpoint of version 0), a sync to version 7
+    reaches the live server b only; the restart then brings a to version 7 from disk."""
+    a, b = fakes(), fakes()
+    with _engine([a.url, b.url]) as eng:
+        wa = eng.workers[0]
+        wa.server = handle = FakeLaunch(a)
+        handle.during = lambda: eng.update_weights("/ckpt/v7", 7)
+        handle.up = False  # the process died
+        eng._check(wa)
+        assert handle.relaunched == [("/unused-model-dir", "0")]  # the newest weights at the time
+        assert b.version == "7" and a.calls.get("/pause_generation", 0) == 0  # a was down
+        assert a.version == "7" and a.bodies["/update_weights_from_disk"][-1]["model_path"] == "/ckpt/v7"
+        assert wa.up and not wa.stale and wa.restarts == 1 and eng.stats["restarts"] == 1
+        results = eng.generate([[3, 4]] * 4, SAMPLING)
+        assert {r.meta["weight_version"] for r in results} == {"7"}
+
+
+def test_restart_behind_the_served_version_leaves_the_worker_stale_until_a_sync(fakes):
+    """The newest weights were pushed from tensors with no checkpoint (``_disk`` is older than
+    the served version): the restarted server comes back behind, stays out of rotation, and
+    the next sync (which must include it) brings it back."""
+    a, b = fakes(), fakes()
+    with _engine([a.url, b.url]) as eng:
+        wa = eng.workers[0]
+        wa.server = handle = FakeLaunch(a)
+        eng._version = 5  # what update_weights_from_tensors(..., checkpoint_dir=None) leaves
+        handle.up = False
+        eng._check(wa)
+        assert handle.relaunched == [("/unused-model-dir", "0")] and a.version == "0"
+        assert wa.stale and not wa.up and wa.restarts == 1
+        assert a.url in eng._sync_targets()
+        eng.update_weights("/ckpt/v6", 6)
+        assert a.version == b.version == "6" and wa.up and not wa.stale
+
+
+def test_request_waiting_for_a_server_gives_up_at_shutdown(fakes):
+    """No worker up: a request waits in acquire (for up to startup_timeout_s + 60 s); shutting
+    the engine down ends the wait at once with a clear error instead."""
+    a = fakes()
+    eng = _engine([a.url], startup_timeout_s=3600.0)  # acquire would wait an hour on its own
+    eng._set_up(eng.workers[0], False)
+    batch = eng.start([[3, 4]], SAMPLING)
+    guard = time.monotonic() + 300
+    while not batch.futures[0].running():  # an event we cannot be notified of; a hang guard
+        assert time.monotonic() < guard, "hang guard: the request never started"
+        time.sleep(0.01)
+    eng.shutdown()
+    with pytest.raises(SGLangError, match="no SGLang server is up"):
+        batch.futures[0].result(timeout=300)  # a hang guard
+    assert a.calls.get("/generate", 0) == 0

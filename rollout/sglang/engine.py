@@ -193,6 +193,8 @@ class SGLangEngine:
             return
         self._closed = True
         self._stop.set()
+        with self._cond:  # requests waiting for a server to come up give up now
+            self._cond.notify_all()
         for w in self.workers:
             w.wake.set()
         if hasattr(self, "_pool"):
