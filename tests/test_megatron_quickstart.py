@@ -9,7 +9,7 @@ from buffer import Lake
 from tests.learning import assert_learned
 
 pytestmark = pytest.mark.megatron
-ITERATIONS = 30
+ITERATIONS = 40  # was 30 with a +0.03 margin, inside the noise; torch gains ~+0.12 in 40
 
 
 def test_megatron_backend_learns_the_quickstart_task(tmp_path, cli, warm_model):
