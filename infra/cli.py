@@ -135,12 +135,23 @@ def _interrupted() -> None:
     console.print(f"[yellow]interrupted[/]{hint}")
 
 
-def _fail(err: BaseException) -> int:
+def _click_errors(name: str) -> tuple[type, ...]:
+    """``name`` from click, typer, and the copy of click that typer ships (what typer raises)."""
     import click
+    import typer.exceptions
 
-    if isinstance(err, click.exceptions.Abort):  # click's name for Ctrl-C / EOF at a prompt
+    try:
+        from typer._click import exceptions as typer_click
+    except ImportError:  # a typer without its own click
+        typer_click = click.exceptions
+    found = (getattr(m, name, None) for m in (click.exceptions, typer.exceptions, typer_click))
+    return tuple(c for c in found if isinstance(c, type))
+
+
+def _fail(err: BaseException) -> int:
+    if isinstance(err, _click_errors("Abort")):  # click's name for Ctrl-C / EOF at a prompt
         return 130
-    if isinstance(err, click.exceptions.ClickException):
+    if isinstance(err, _click_errors("ClickException")):
         err.show()
         return err.exit_code
     if STATE["debug"] or "--debug" in sys.argv:
