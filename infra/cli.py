@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from infra.config import load_config
 from infra.lake_cli import lake_app, sql_command
+from infra.ui_cli import ui_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="rlake: RL post-training with a versioned trajectory lake.")
@@ -81,26 +82,13 @@ _register_ops(app)
 
 
 def _print_summary(summary: dict) -> None:
-    home = summary["home"]
-    console.print()
-    console.rule("[bold]rlake run finished")
-    acc = summary.get("accuracy", {})
-    if acc:
-        console.print(f"held-out greedy accuracy: before RL [bold]{acc['before']:.3f}[/]  ->  "
-                      f"after RL [bold green]{acc['after']:.3f}[/]  ({acc['after'] - acc['before']:+.3f})")
-    console.print(f"run id:       {summary['run_id']}")
-    console.print(f"lake:         {summary['lake_uri']}")
-    console.print(f"MLflow:       {summary['mlflow_uri']}")
-    console.print(f"checkpoints:  {summary['checkpoints']}")
-    console.print("\nlook at it:")
-    console.print(f"  rlake status {summary['run_id']} --home {home}")
-    console.print(f"  rlake sql \"SELECT iteration, avg(reward) AS reward FROM trajectories WHERE "
-                  f"kind = 'train' GROUP BY 1 ORDER BY 1\" --lake {summary['lake_uri']}")
-    console.print(f"  mlflow ui --backend-store-uri {summary['mlflow_uri']}   (then open http://127.0.0.1:5000)")
-    console.print(f"  PREFECT_HOME={home}/prefect prefect server start   (then open http://127.0.0.1:4200)")
+    from infra.progress import print_summary
+
+    print_summary(console, summary)
 
 
 app.command("sql")(sql_command)
+app.command("ui")(ui_command)
 app.add_typer(lake_app, name="lake")
 
 
