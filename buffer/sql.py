@@ -9,13 +9,20 @@ offline); filters are pushed down into the dataset scan. The connection is an in
 - ``autoinstall_known_extensions`` / ``autoload_known_extensions`` off;
 - ``lock_configuration = true``: the query cannot turn any of this back on.
 
-On top of that, only ``SELECT`` (incl. ``WITH``, ``VALUES``, ``DESCRIBE``, ``SUMMARIZE``) and
-``EXPLAIN`` statements are accepted; anything else is refused before it runs with ``SqlRefused``.
+On top of that, exactly one statement is accepted, a ``SELECT`` (incl. ``WITH``, ``VALUES``,
+``DESCRIBE``, ``SUMMARIZE``) or an ``EXPLAIN [ANALYZE]`` of one (the explained statement is
+checked too: ``EXPLAIN ANALYZE`` runs it); anything else (PRAGMA, SET, CALL, COPY, ATTACH,
+INSTALL/LOAD, CREATE MACRO...) is refused before it runs with ``SqlRefused``.
+
+Each query runs under a memory limit (DuckDB's ``memory_limit``, no spilling to disk) and a
+timeout (the connection is interrupted): a runaway query ends with an error naming the limit.
+The Arrow result handed back is outside DuckDB's accounting; ``--max-rows``/``LIMIT`` bound it.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -27,7 +34,8 @@ from buffer.schema import TABLES
 if TYPE_CHECKING:
     from buffer.lake import Lake
 
-ALLOWED = {"SELECT", "EXPLAIN"}
+DEFAULT_MEMORY_LIMIT = "2GB"
+DEFAULT_TIMEOUT_S = 300.0
 SANDBOX_CONFIG = {
     "enable_external_access": False,
     "autoinstall_known_extensions": False,
@@ -35,6 +43,7 @@ SANDBOX_CONFIG = {
     "allow_community_extensions": False,
     "python_enable_replacements": False,
     "threads": 2,
+    "temp_directory": "",  # no spilling: the memory limit is the limit
 }
 REFUSED_HINT = ("the lake's SQL is read-only and sandboxed: only SELECT/EXPLAIN over the lake tables "
                 f"({', '.join(TABLES)}); no file access, writes, ATTACH, INSTALL or LOAD")
@@ -51,28 +60,68 @@ def first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
-def sandbox_connection() -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection with external access off and its configuration locked."""
-    con = duckdb.connect(":memory:", config=dict(SANDBOX_CONFIG))
+def sandbox_connection(memory_limit: str = DEFAULT_MEMORY_LIMIT) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with external access off, ``memory_limit`` (a DuckDB size:
+    ``2GB``, ``512MB``) and its configuration locked."""
+    try:
+        con = duckdb.connect(":memory:", config={**SANDBOX_CONFIG, "memory_limit": memory_limit})
+    except duckdb.Error as e:
+        raise ValueError(f"--memory-limit {memory_limit!r} is not a size like 2GB or 512MB "
+                         f"({first_line(e)})") from None
     con.execute("SET lock_configuration = true")
     return con
 
 
-def check_statements(con: duckdb.DuckDBPyConnection, query: str) -> list:
-    """Parse ``query`` and refuse any statement that is not SELECT/EXPLAIN."""
+def _parse(con: duckdb.DuckDBPyConnection, query: str) -> list:
     try:
-        statements = con.extract_statements(query)
+        return con.extract_statements(query)
     except duckdb.Error as e:
         raise ValueError(f"SQL syntax error: {first_line(e)}") from None
+
+
+def _refuse(query: str, kind: str) -> SqlRefused:
+    text = " ".join(query.split())
+    verb = text.split(" ", 1)[0].upper() if text else kind
+    return SqlRefused(f"refused {verb} statement ({text[:80]!r}): {REFUSED_HINT}")
+
+
+def explained(query: str) -> str:
+    """The statement inside ``EXPLAIN [ANALYZE] [(options)] <statement>`` (comments skipped)."""
+    tokens = [(pos, kind.name) for pos, kind in duckdb.tokenize(query) if kind.name != "comment"]
+    i = 1  # tokens[0] is EXPLAIN
+    if i < len(tokens) and query[tokens[i][0]:].upper().startswith(("ANALYZE", "ANALYSE")):
+        i += 1
+    if i < len(tokens) and query[tokens[i][0]] == "(":  # EXPLAIN (FORMAT json) ...
+        depth = 0
+        while i < len(tokens):
+            ch = query[tokens[i][0]]
+            depth += (ch == "(") - (ch == ")")
+            i += 1
+            if depth == 0:
+                break
+    return query[tokens[i][0]:] if i < len(tokens) else ""
+
+
+def check_statements(con: duckdb.DuckDBPyConnection, query: str) -> str:
+    """The one statement of ``query``, if it is a SELECT or an EXPLAIN of a SELECT; otherwise
+    ``SqlRefused`` (or ``ValueError`` for a syntax error, no statement or several)."""
+    statements = _parse(con, query)
     if not statements:
         raise ValueError("empty SQL query")
-    for st in statements:
-        kind = st.type.name
-        if kind not in ALLOWED:
-            text = " ".join(st.query.split())
-            verb = text.split(" ", 1)[0].upper() if text else kind
-            raise SqlRefused(f"refused {verb} statement ({text[:80]!r}): {REFUSED_HINT}")
-    return statements
+    if len(statements) > 1:
+        raise SqlRefused(f"one statement at a time: got {len(statements)} "
+                         f"({'; '.join(' '.join(s.query.split()).rstrip(';')[:40] for s in statements)})")
+    st = statements[0]
+    inner, kind = st.query, st.type.name
+    while kind == "EXPLAIN":  # EXPLAIN ANALYZE runs its statement: that one must be a SELECT too
+        inner = explained(inner)
+        inside = _parse(con, inner)
+        kind = inside[0].type.name if len(inside) == 1 else "EXPLAIN"
+        if len(inside) != 1:
+            raise _refuse(st.query, kind)
+    if kind != "SELECT":
+        raise _refuse(inner, kind)
+    return st.query
 
 
 def referenced_tables(query: str) -> list[str]:
@@ -84,24 +133,43 @@ def _as_of_for(as_of: AsOf, table: str) -> int | str | datetime | None:
     return as_of.get(table) if isinstance(as_of, dict) else as_of
 
 
-def sql(lake: Lake, query: str, as_of: AsOf = None) -> pa.Table:
+def sql(lake: Lake, query: str, as_of: AsOf = None, memory_limit: str = DEFAULT_MEMORY_LIMIT,
+        timeout_s: float = DEFAULT_TIMEOUT_S) -> pa.Table:
     """Run a read-only ``query`` over the lake's tables; the result as an Arrow table.
 
     ``as_of``: a Delta version (applied to every table the query names), an ISO timestamp, or a
     dict ``{table: version_or_timestamp}``. Tables that do not exist yet read as empty tables with
-    the declared schema. Refused statements raise ``SqlRefused``; other errors ``ValueError``.
+    the declared schema. Refused statements raise ``SqlRefused``; other errors (syntax, the
+    ``memory_limit`` or ``timeout_s`` reached) ``ValueError``.
     """
-    con = sandbox_connection()
+    if timeout_s <= 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {timeout_s}")
+    con = sandbox_connection(memory_limit)
+    timed_out = threading.Event()
+
+    def stop() -> None:
+        timed_out.set()
+        con.interrupt()
+    timer = threading.Timer(timeout_s, stop)
     try:
-        statements = check_statements(con, query)
+        statement = check_statements(con, query)
         for table in referenced_tables(query):
             con.register(table, lake.dataset(table, as_of=_as_of_for(as_of, table)))
-        # Every statement is a SELECT/EXPLAIN (no side effects): only the last one's rows matter.
+        timer.start()
         try:
-            return con.sql(statements[-1].query).to_arrow_table()
+            return con.sql(statement).to_arrow_table()
         except duckdb.PermissionException as e:
             raise SqlRefused(f"refused: {first_line(e)}; {REFUSED_HINT}") from None
+        except duckdb.OutOfMemoryException:
+            raise ValueError(f"query stopped: it needs more memory than the limit of {memory_limit} "
+                             "(--memory-limit)") from None
+        except duckdb.InterruptException:
+            if not timed_out.is_set():
+                raise KeyboardInterrupt from None
+            raise ValueError(f"query stopped: it ran past the timeout of {timeout_s:g}s "
+                             "(--timeout)") from None
         except duckdb.Error as e:
             raise ValueError(f"SQL error: {first_line(e)}") from None
     finally:
+        timer.cancel()
         con.close()

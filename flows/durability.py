@@ -112,11 +112,14 @@ def recover(rt: Runtime, own_flow_run: str | None) -> dict:
 
 
 def close_runtime(rt: Runtime) -> None:
-    """Free what the runtime holds: the engine (servers), the trainer (its processes), its entry
-    in ``RUNTIMES``."""
+    """Free what the runtime holds: the engine (servers), the trainer (its processes), the reward
+    worker processes, its entry in ``RUNTIMES``."""
     rt.engine.shutdown()
     if hasattr(rt.trainer, "close"):
         rt.trainer.close()
+    for scorer in [rt.reward_fn, *(e.scorer for e in getattr(rt, "eval_sets", None) or [])]:
+        if hasattr(scorer, "close"):  # custom reward functions' worker processes
+            scorer.close()
     RUNTIMES.pop(rt.run_id, None)
 
 

@@ -9,13 +9,16 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from infra.config import ConfigError, load_config
+from infra.config import load_config
 from infra.lake_cli import lake_app, sql_command
+from infra.ui_cli import ui_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="rlake: RL post-training with a versioned trajectory lake.")
 console = Console()
+err_console = Console(stderr=True)
 STATE = {"debug": False}
 HomeOpt = Annotated[str, typer.Option("--home", help="state folder (lake, MLflow, checkpoints)")]
 
@@ -79,54 +82,73 @@ _register_ops(app)
 
 
 def _print_summary(summary: dict) -> None:
-    home = summary["home"]
-    console.print()
-    console.rule("[bold]rlake run finished")
-    acc = summary.get("accuracy", {})
-    if acc:
-        console.print(f"held-out greedy accuracy: before RL [bold]{acc['before']:.3f}[/]  ->  "
-                      f"after RL [bold green]{acc['after']:.3f}[/]  ({acc['after'] - acc['before']:+.3f})")
-    console.print(f"run id:       {summary['run_id']}")
-    console.print(f"lake:         {summary['lake_uri']}")
-    console.print(f"MLflow:       {summary['mlflow_uri']}")
-    console.print(f"checkpoints:  {summary['checkpoints']}")
-    console.print("\nlook at it:")
-    console.print(f"  rlake status {summary['run_id']} --home {home}")
-    console.print(f"  rlake sql \"SELECT iteration, avg(reward) AS reward FROM trajectories WHERE "
-                  f"kind = 'train' GROUP BY 1 ORDER BY 1\" --lake {summary['lake_uri']}")
-    console.print(f"  mlflow ui --backend-store-uri {summary['mlflow_uri']}   (then open http://127.0.0.1:5000)")
-    console.print(f"  PREFECT_HOME={home}/prefect prefect server start   (then open http://127.0.0.1:4200)")
+    from infra.progress import print_summary
+
+    print_summary(console, summary)
 
 
 app.command("sql")(sql_command)
+app.command("ui")(ui_command)
 app.add_typer(lake_app, name="lake")
 
 
 def main() -> None:
+    """The console script: every failure exits non-zero (2 usage / refused input, 1 other errors,
+    130 Ctrl-C); one ``error:`` line, the traceback only with ``--debug``."""
     try:
-        app(standalone_mode=False)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
-        _fail(err)
+        # standalone_mode=False hands back ``typer.Exit`` codes (and Ctrl-C as 130) as the return
+        # value instead of exiting: an ignored return value is how failures used to exit 0.
+        code = exit_code(app(standalone_mode=False))
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/]: `rlake resume RUN_ID` continues from the last completed iteration")
-        sys.exit(130)
+        code = 130
     except typer.Exit as exit_:
-        sys.exit(exit_.exit_code)
+        code = exit_.exit_code
     except Exception as err:  # noqa: BLE001 - one clear line unless --debug
-        _fail(err)
+        code = _fail(err)
+    if code == 130:
+        _interrupted()
+    sys.exit(code)
 
 
-def _fail(err: BaseException) -> None:
+def exit_code(result: object) -> int:
+    """The process exit code for what ``app(standalone_mode=False)`` returned: an int is an exit
+    code (from ``typer.Exit``); a command's ordinary return value (None, data) is success."""
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def _interrupted() -> None:
+    command = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
+    hint = (": `rlake resume RUN_ID` continues from the last completed iteration"
+            if command in ("run", "resume") else "")
+    console.print(f"[yellow]interrupted[/]{hint}")
+
+
+def _click_errors(name: str) -> tuple[type, ...]:
+    """``name`` from click, typer, and the copy of click that typer ships (what typer raises)."""
     import click
+    import typer.exceptions
 
-    if isinstance(err, click.exceptions.ClickException):
+    try:
+        from typer._click import exceptions as typer_click
+    except ImportError:  # a typer without its own click
+        typer_click = click.exceptions
+    found = (getattr(m, name, None) for m in (click.exceptions, typer.exceptions, typer_click))
+    return tuple(c for c in found if isinstance(c, type))
+
+
+def _fail(err: BaseException) -> int:
+    if isinstance(err, _click_errors("Abort")):  # click's name for Ctrl-C / EOF at a prompt
+        return 130
+    if isinstance(err, _click_errors("ClickException")):
         err.show()
-        sys.exit(err.exit_code)
+        return err.exit_code
     if STATE["debug"] or "--debug" in sys.argv:
-        console.print_exception()
+        err_console.print_exception()
     else:
-        console.print(f"[bold red]error:[/] {err}  (--debug for the traceback)")
-    sys.exit(1)
+        # soft_wrap: the message stays one line however long (a path, a URI)
+        err_console.print(f"[bold red]error:[/] {escape(str(err))}  (--debug for the traceback)",
+                          soft_wrap=True, highlight=False)
+    return 1
 
 
 if __name__ == "__main__":

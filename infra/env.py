@@ -23,6 +23,12 @@ OFFLINE_ENV = {
     "TRANSFORMERS_VERBOSITY": "error",
     "PREFECT_LOGGING_LEVEL": "WARNING",
     "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
+    # MLflow configures its own loggers at import (INFO: "Creating initial MLflow database
+    # tables..." landed in the live display); the embedded Prefect server's task-run recorder
+    # logs a CancelledError traceback at ERROR when the server stops after the run. Set either
+    # back (e.g. PREFECT_SERVER_LOGGING_LEVEL=WARNING) to see them.
+    "MLFLOW_LOGGING_LEVEL": "WARNING",
+    "PREFECT_SERVER_LOGGING_LEVEL": "CRITICAL",
     # measured here: the embedded server needs time to start on a loaded 2-core machine, and
     # batching its writers keeps a flow run per iteration cheap (shared/DESIGN.md)
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",

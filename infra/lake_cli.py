@@ -22,7 +22,7 @@ from buffer import Lake
 from buffer.maintenance import DEFAULT_RETENTION_HOURS, compact, history, vacuum
 from buffer.output import FORMATS, format_table, render
 from buffer.schema import TABLES
-from buffer.sql import SqlRefused, sql
+from buffer.sql import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT_S, SqlRefused, sql
 
 DEFAULT_LAKE = "./rlake-home/lake"
 
@@ -49,8 +49,14 @@ def parse_storage_options(items: list[str] | None) -> dict[str, str] | None:
 
 
 def open_lake(lake: str | None, storage_option: list[str] | None) -> Lake:
-    return Lake(lake or os.environ.get("RLAKE_LAKE_URI") or DEFAULT_LAKE,
-                storage_options=parse_storage_options(storage_option))
+    """The lake at ``lake``; a local folder that does not exist is an error (reading it would
+    show empty tables, as if a typo in the path were an empty lake)."""
+    uri = lake or os.environ.get("RLAKE_LAKE_URI") or DEFAULT_LAKE
+    options = parse_storage_options(storage_option)
+    local = uri.removeprefix("file://") if uri.startswith("file://") or "://" not in uri else None
+    if local is not None and not Path(local).is_dir():
+        _fail(f"no lake at {uri} (--lake / RLAKE_LAKE_URI): the folder does not exist")
+    return Lake(uri, storage_options=options)
 
 
 def _fail(message: str) -> None:
@@ -69,7 +75,12 @@ def sql_command(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result to FILE.")] = None,
     as_of: Annotated[str | None, typer.Option(
         "--as-of", help="Read tables as of a Delta version (int) or an ISO timestamp.")] = None,
-    max_rows: Annotated[int | None, typer.Option("--max-rows", help="Table format: show at most N rows.")] = None,
+    max_rows: Annotated[int | None, typer.Option("--max-rows", min=1,
+                                                 help="Table format: show at most N rows.")] = None,
+    memory_limit: Annotated[str, typer.Option(
+        "--memory-limit", help="Most memory the query may use (DuckDB size: 512MB, 4GB).")] = DEFAULT_MEMORY_LIMIT,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", help="Stop the query after this many seconds.")] = DEFAULT_TIMEOUT_S,
     lake: LakeOpt = DEFAULT_LAKE,
     storage_option: StorageOpt = None,
 ) -> None:
@@ -79,7 +90,8 @@ def sql_command(
     if format == "parquet" and out is None:
         _fail("--format parquet needs --out FILE")
     try:
-        result = sql(open_lake(lake, storage_option), query, as_of=as_of)
+        result = sql(open_lake(lake, storage_option), query, as_of=as_of, memory_limit=memory_limit,
+                     timeout_s=timeout)
     except SqlRefused as e:
         _fail(str(e))
     except ValueError as e:

@@ -76,7 +76,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one nested function per 
 
     @app.command()
     def lineage(run_id: str, version: Annotated[int, typer.Option("--version", help="weight version")],
-                home: HomeOpt = "./rlake-home", samples: Annotated[int, typer.Option("--samples")] = 10,
+                home: HomeOpt = "./rlake-home", samples: Annotated[int, typer.Option("--samples", min=0)] = 10,
                 lake_uri: Annotated[str | None, typer.Option("--lake-uri")] = None,
                 as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
         """Which iterations and samples trained weight version V, and which versions generated them."""
@@ -121,9 +121,10 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one nested function per 
     @app.command()
     def serve(home: HomeOpt = "./rlake-home",
               maintenance_interval: Annotated[float, typer.Option(
-                  "--maintenance-interval", help="seconds between lake compact+vacuum (0: off)")] = 6 * 3600,
-              port: Annotated[int | None, typer.Option("--port")] = None,
-              limit: Annotated[int, typer.Option("--limit", help="flow runs at once")] = 1) -> None:
+                  "--maintenance-interval", min=0,
+                  help="seconds between lake compact+vacuum (0: off)")] = 6 * 3600,
+              port: Annotated[int | None, typer.Option("--port", min=1, max=65535)] = None,
+              limit: Annotated[int, typer.Option("--limit", min=1, help="flow runs at once")] = 1) -> None:
         """Start (or reuse) a Prefect server on 127.0.0.1 for HOME and serve rlake's deployments."""
         import os
 

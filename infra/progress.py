@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import shlex
+import sys
+from pathlib import Path
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -65,3 +69,43 @@ def accuracy_before_after(lake_uri: str, run_id: str, cfg: RunConfig) -> dict:
     evals = Lake(lake_uri, cfg.storage_options or None).read("evals", run_id=run_id).to_pylist()
     acc = sorted((e["weight_version"], e["value"]) for e in evals if e["metric"] == "accuracy")
     return {"before": acc[0][1], "after": acc[-1][1]} if acc else {}
+
+
+def rlake_invocation() -> str:
+    """How to call this rlake without activating its virtualenv: the ``rlake`` script next to
+    this interpreter (the venv's bin/), else this interpreter with ``-m infra.cli``."""
+    script = Path(sys.executable).parent / "rlake"  # not resolved: the venv's bin, not the base
+    if script.is_file():
+        return shlex.quote(str(script))
+    return f"{shlex.quote(sys.executable)} -m infra.cli"
+
+
+def next_commands(summary: dict) -> list[str]:
+    """Commands to look at a finished run, each runnable as printed from any folder."""
+    rlake, run_id = rlake_invocation(), shlex.quote(summary["run_id"])
+    home = shlex.quote(str(Path(summary["home"]).resolve()))
+    lake = shlex.quote(str(summary["lake_uri"]))
+    query = ("SELECT iteration, avg(reward) AS reward FROM trajectories WHERE kind = 'train' "
+             "GROUP BY 1 ORDER BY 1")
+    return [f"{rlake} status {run_id} --home {home}",
+            f"{rlake} sql {shlex.quote(query)} --lake {lake}",
+            f"{rlake} report {run_id} --home {home} --out report.html",
+            f"{rlake} ui mlflow --home {home}",
+            f"{rlake} ui prefect --home {home}"]
+
+
+def print_summary(console: Console, summary: dict) -> None:
+    """The end-of-run summary. Commands are printed with ``soft_wrap``: rich never breaks one
+    across lines (at 80 columns it did, mid-path), so a copy of the line is the whole command."""
+    console.print()
+    console.rule("[bold]rlake run finished")
+    acc = summary.get("accuracy", {})
+    if acc:
+        console.print(f"held-out greedy accuracy: before RL [bold]{acc['before']:.3f}[/]  ->  "
+                      f"after RL [bold green]{acc['after']:.3f}[/]  ({acc['after'] - acc['before']:+.3f})")
+    for label, key in (("run id", "run_id"), ("lake", "lake_uri"), ("MLflow", "mlflow_uri"),
+                       ("checkpoints", "checkpoints")):
+        console.print(f"{label + ':':<13} {summary[key]}", soft_wrap=True, highlight=False, markup=False)
+    console.print("\nlook at it:")
+    for command in next_commands(summary):
+        console.print(f"  {command}", soft_wrap=True, highlight=False, markup=False)

@@ -14,13 +14,15 @@ from collections import defaultdict
 from pathlib import Path
 
 from buffer import Lake
+from rollout.sample import train_reward
 
 # "record" is not there: the train_steps row is written during that phase
 TIME_PHASES = ("generate", "score", "lake_write", "slice_read", "train", "publish")
 
 
 def rollout_by_iteration(rows: list[dict]) -> dict[int, dict[str, float]]:
-    """Per iteration: reward mean, response length mean (tokens), truncation rate
+    """Per iteration: reward mean (as trained: a failed or non-finite reward counts 0), response
+    length mean (tokens), truncation rate
     (share of status == 'truncated'), generating weight version (min), sample count."""
     groups: dict[int, list[dict]] = defaultdict(list)
     for r in rows:
@@ -28,7 +30,7 @@ def rollout_by_iteration(rows: list[dict]) -> dict[int, dict[str, float]]:
     out = {}
     for it, rs in sorted(groups.items()):
         out[it] = {
-            "reward": statistics.fmean(r["reward"] or 0.0 for r in rs),
+            "reward": statistics.fmean(train_reward(r["reward"]) for r in rs),  # inf: failed
             "length": statistics.fmean(len(r["response_token_ids"] or []) for r in rs),
             "truncated": sum(r["status"] == "truncated" for r in rs) / len(rs),
             "version": min(r["weight_version"] for r in rs),
@@ -62,7 +64,15 @@ def same_series(series: dict[str, list]) -> list[tuple[list, list[str]]]:
     return list(groups.values())
 
 
-def _figures(data: dict, stem: Path) -> list[tuple[str, Path]]:
+def legend_below(ax, handles: list | None = None, ncol: int = 3, fontsize: int = 8) -> None:
+    """The legend under the axes (below the x-axis label), never over a curve: a legend inside
+    covered the entropy curve, which starts high exactly where ``upper left`` puts it."""
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=ncol,
+              fontsize=fontsize, frameon=False)
+
+
+def build_figures(data: dict) -> list[tuple[str, str, object]]:
+    """The report's matplotlib figures: [(file suffix, title, figure)]."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -71,18 +81,15 @@ def _figures(data: dict, stem: Path) -> list[tuple[str, Path]]:
 
     ro, steps, evals = data["rollout"], data["steps"], data["evals"]
     its = list(ro)
-    out: list[tuple[str, Path]] = []
+    out: list[tuple[str, str, object]] = []
 
-    def save(fig, name: str, title: str) -> None:
-        path = stem.with_name(f"{stem.name}-{name}.png")
+    def add(fig, name: str, title: str) -> None:
         for axis in fig.axes:  # iterations and versions are whole numbers
             axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        out.append((title, path))
+        out.append((name, title, fig))
 
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = plt.subplots(figsize=(7, 4.0))
     source = data["run"].get("replay_of")
     ax.plot([ro[i]["version"] for i in its], [ro[i]["reward"] for i in its], "o-", ms=3,
             label=f"replayed reward (by {source}'s generating version)" if source
@@ -92,11 +99,11 @@ def _figures(data: dict, stem: Path) -> list[tuple[str, Path]]:
     ax.set(xlabel="weight version", ylabel="reward / accuracy", ylim=(-0.02, 1.02),
            title="Reward and held-out evaluation per weight version")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    save(fig, "reward", "Reward and held-out accuracy")
+    legend_below(ax, ncol=2)
+    add(fig, "reward", "Reward and held-out accuracy")
 
     s_its = [s["iteration"] for s in steps]
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = plt.subplots(figsize=(7, 4.0))
     ax.plot(s_its, [s["ppo_kl"] or 0.0 for s in steps], "o-", ms=3, label="ppo_kl (rollout vs current)")
     if any(s["kl_loss"] is not None for s in steps):
         ax.plot(s_its, [s["kl_loss"] or 0.0 for s in steps], "o-", ms=3, label="kl_loss (vs reference)")
@@ -107,9 +114,8 @@ def _figures(data: dict, stem: Path) -> list[tuple[str, Path]]:
     ax2.set_ylabel("entropy (nats/token)", color="tab:green")
     ax.set_title("KL and entropy per iteration")
     ax.grid(alpha=0.3)
-    handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
-    ax.legend(handles=handles, loc="upper left", fontsize=8)
-    save(fig, "kl_entropy", "KL and entropy")
+    legend_below(ax, ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0])
+    add(fig, "kl_entropy", "KL and entropy")
 
     fig, ax = plt.subplots(figsize=(7, 3.6))
     ax.plot(its, [ro[i]["length"] for i in its], "o-", ms=3, label="response length")
@@ -120,15 +126,15 @@ def _figures(data: dict, stem: Path) -> list[tuple[str, Path]]:
     ax2.set_ylim(-0.02, 1.02)
     ax2.set_ylabel("truncation rate", color="tab:red")
     ax.grid(alpha=0.3)
-    save(fig, "length", "Response length and truncation rate")
+    add(fig, "length", "Response length and truncation rate")
 
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = plt.subplots(figsize=(7, 4.0))
     for key, style in (("staleness_min", "v-"), ("staleness_mean", "o-"), ("staleness_max", "^-")):
         ax.plot(s_its, [s[key] or 0.0 for s in steps], style, ms=3, label=key.split("_")[1])
     ax.set(xlabel="iteration", ylabel="versions behind", title="Staleness of trained samples")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    save(fig, "staleness", "Staleness")
+    legend_below(ax)
+    add(fig, "staleness", "Staleness")
 
     fig, ax = plt.subplots(figsize=(7, 4.0))
     timings = [json.loads(s["timings"] or "{}") for s in steps]
@@ -138,9 +144,21 @@ def _figures(data: dict, stem: Path) -> list[tuple[str, Path]]:
         ax.bar(s_its, values, bottom=bottom, label=phase)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set(xlabel="iteration", ylabel="seconds", title="Time split per iteration")
-    ax.legend(fontsize=7, ncol=len(TIME_PHASES), loc="upper center", bbox_to_anchor=(0.5, -0.16),
-              frameon=False)
-    save(fig, "time", "Time split per iteration")
+    legend_below(ax, ncol=len(TIME_PHASES), fontsize=7)
+    add(fig, "time", "Time split per iteration")
+    return out
+
+
+def _figures(data: dict, stem: Path) -> list[tuple[str, Path]]:
+    """Save ``build_figures`` as ``{stem}-{name}.png``: [(title, path)]."""
+    import matplotlib.pyplot as plt
+
+    out = []
+    for name, title, fig in build_figures(data):
+        path = stem.with_name(f"{stem.name}-{name}.png")
+        fig.savefig(path, dpi=110, bbox_inches="tight")  # the legends sit below the axes
+        plt.close(fig)
+        out.append((title, path))
     return out
 
 

@@ -6,8 +6,12 @@ a float (or a dict with a ``"score"`` key). ``rm_type`` names one of ``REGISTRY`
 with ``<name>``; no box scores 0). A sample's ``metadata["rm_type"]`` overrides the configured one;
 ``custom_rm_path`` (``fn(cfg, sample)``, slime's shape) replaces the registry for the others.
 
-``score_samples`` scores a batch concurrently; a function that raises, times out or returns NaN
-marks that sample ``failed`` with the reason in ``reward_detail["error"]``.
+``score_samples`` scores a batch concurrently; a function that raises, times out or returns NaN/inf
+marks that sample ``failed`` with the reason in ``reward_detail["error"]``. A ``custom_rm_path``
+function runs in worker processes (``rewards.workers``: a call past ``reward_timeout_s`` is killed
+with its worker); the built-in rewards are bounded-time code of ours (no exponents, inputs capped
+in length) and the remote one has its own HTTP timeout, so they run in threads, where a call costs
+no pickling and no process hop.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
-from rewards.concurrent import run_concurrently
+from rewards.concurrent import Outcome, run_concurrently
 from rewards.math import last_boxed, math_reward
 from rewards.remote import remote_reward
 from rewards.tasks import countdown_reward
 from rewards.text import exact_answer_reward, f1_score
+from rewards.workers import RewardWorkers
 from rollout.functions import call, load_configured, load_function
-from rollout.sample import Sample, Status
+from rollout.sample import Sample, Status, nonfinite_reason
 
 RewardFn = Callable[[str, "str | None", dict], "float | dict"]
 SampleScorer = Callable[[Sample], "float | dict"]
@@ -111,6 +116,31 @@ class Scorer:
         self._cache: dict[str, Callable[[Sample], float | dict]] = {}
         if self._custom is None:
             self._resolve(self.rm_type)
+        self.workers = (RewardWorkers(self.custom_rm_path, self.cfg, self.max_workers)
+                        if self._custom is not None else None)
+
+    def in_worker(self, sample: Sample) -> bool:
+        """Whether ``sample`` goes to the custom function (in a worker process)."""
+        return self.workers is not None and not sample.metadata.get("rm_type")
+
+    def outcomes(self, samples: list[Sample], timeout_s: float, max_workers: int) -> list[Outcome]:
+        """One ``Outcome`` per sample: custom-function calls in worker processes, the rest
+        (built-in and remote rewards) in threads."""
+        far = [i for i, s in enumerate(samples) if self.in_worker(s)]
+        near = [i for i, s in enumerate(samples) if not self.in_worker(s)]
+        out: list[Outcome] = [Outcome(False, error="not run")] * len(samples)
+        for i, o in zip(near, run_concurrently([partial(self, samples[i]) for i in near], timeout_s,
+                                               max_workers), strict=True):
+            out[i] = o
+        if far:
+            for i, o in zip(far, self.workers.map([samples[i] for i in far], timeout_s), strict=True):
+                out[i] = o
+        return out
+
+    def close(self) -> None:
+        """Stop the reward worker processes (a later call starts new ones)."""
+        if self.workers is not None:
+            self.workers.close()
 
     @classmethod
     def from_config(cls, cfg: Any, rm_type: str | None = None) -> Scorer:
@@ -135,15 +165,16 @@ class Scorer:
 
 
 def _as_score(value: float | dict) -> tuple[float, dict]:
-    """(score, detail): a dict's ``score`` key, or the float itself; NaN is an error."""
+    """(score, detail): a dict's ``score`` key, or the float itself; NaN and +-inf are errors
+    (one inf reward makes every mean/std over the batch inf or NaN)."""
     if isinstance(value, dict):
         if "score" not in value:
             raise ValueError("reward dict has no 'score' key")
         score, detail = float(value["score"]), dict(value)
     else:
         score, detail = float(value), {}
-    if math.isnan(score):
-        raise ValueError("reward is NaN")
+    if not math.isfinite(score):
+        raise ValueError(nonfinite_reason(score))
     return score, detail
 
 
@@ -158,11 +189,12 @@ def score_samples(samples: list[Sample], scorer: SampleScorer | RewardFn, timeou
     timeout_s = timeout_s if timeout_s is not None else getattr(scorer, "timeout_s", 30.0)
     max_workers = max_workers if max_workers is not None else getattr(scorer, "max_workers", 8)
     if isinstance(scorer, Scorer):
-        calls = [partial(scorer, s) for s in samples]
+        outcomes = scorer.outcomes(samples, timeout_s, max_workers)
     else:
-        calls = [partial(scorer, s.response, s.label, s.metadata) for s in samples]
+        outcomes = run_concurrently([partial(scorer, s.response, s.label, s.metadata)
+                                     for s in samples], timeout_s, max_workers)
     failures = 0
-    for sample, outcome in zip(samples, run_concurrently(calls, timeout_s, max_workers), strict=True):
+    for sample, outcome in zip(samples, outcomes, strict=True):
         try:
             if not outcome.ok:
                 raise RuntimeError(outcome.error)

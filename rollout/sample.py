@@ -11,6 +11,7 @@ back out, so ``from_row(to_row(s)) == s``.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -100,11 +101,17 @@ class Sample:
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Sample:
+        """The sample a row holds; a non-finite reward (written before rewards were checked)
+        comes back as a failed sample, as scoring marks one today."""
         metadata = json.loads(row.get("metadata") or "{}")
         extra = metadata.pop(SAMPLE_KEY, {})
         prompt = row["prompt"]
         if extra.pop("prompt_messages", False):
             prompt = json.loads(prompt)
+        reward, detail = row.get("reward"), json.loads(row.get("reward_detail") or "{}")
+        status = Status(row.get("status") or "pending")
+        if reward is not None and not math.isfinite(reward):
+            reward, detail, status = 0.0, {"error": nonfinite_reason(reward)}, Status.FAILED
         return cls(
             group_index=row["group_index"],
             index=row["sample_index"],
@@ -115,9 +122,9 @@ class Sample:
             response_token_ids=list(row.get("response_token_ids") or []),
             rollout_log_probs=list(row.get("rollout_logprobs") or []),
             loss_mask=list(row.get("loss_mask") or []),
-            reward=row.get("reward"),
-            reward_detail=json.loads(row.get("reward_detail") or "{}"),
-            status=Status(row.get("status") or "pending"),
+            reward=reward,
+            reward_detail=detail,
+            status=status,
             finish_reason=row.get("finish_reason"),
             weight_version=row.get("weight_version", 0),
             metadata=metadata,
@@ -125,6 +132,16 @@ class Sample:
             row=row.get("row"),
             **{k: v for k, v in extra.items() if k in _EXTRA_DEFAULTS},
         )
+
+
+def nonfinite_reason(reward: float) -> str:
+    return f"reward is {'NaN' if math.isnan(reward) else reward} (not a finite number)"
+
+
+def train_reward(reward: float | None) -> float:
+    """The reward a sample trains with: a failed or missing one (None, NaN, +-inf) is 0.0, so
+    its group still trains (the same rule as ``rewards.registry.score_samples``)."""
+    return float(reward) if reward is not None and math.isfinite(reward) else 0.0
 
 
 def sample_uid(run_id: str, iteration: int, index: int, kind: str = "train") -> str:

@@ -118,13 +118,17 @@ def _hangs(response, label, metadata):
 
 
 def test_score_samples_failures_marked_and_counted():
-    samples = [_sample("1", "1"), _sample("2", "2"), _sample("3", "3")]
-    fns = {"1": lambda r, lab, m: 1.0, "2": _raises, "3": _nan}
+    samples = [_sample(str(i), str(i)) for i in range(6)]
+    fns = {"0": lambda r, lab, m: 1.0, "1": _raises, "2": _nan, "3": lambda r, lab, m: math.inf,
+           "4": lambda r, lab, m: {"score": -math.inf}, "5": lambda r, lab, m: "inf"}
     failed = score_samples(samples, lambda r, lab, m: fns[r](r, lab, m))
-    assert failed == 2
+    assert failed == 5
     assert samples[0].reward == 1.0 and samples[0].status == Status.PENDING
     assert samples[1].status == Status.FAILED and "KeyError" in samples[1].reward_detail["error"]
     assert "NaN" in samples[2].reward_detail["error"] and samples[2].reward == 0.0
+    for s, shown in zip(samples[3:], ["inf", "-inf", "inf"], strict=True):  # "inf" parses as a float
+        assert s.status == Status.FAILED and s.reward == 0.0
+        assert s.reward_detail["error"] == f"ValueError: reward is {shown} (not a finite number)"
 
 
 def test_hung_reward_times_out_and_others_still_score():
@@ -210,3 +214,103 @@ def test_many_concurrent_countdown_scores_all_succeed():
     samples = [_sample("7+(4*9)", None, **meta) for _ in range(400)]
     assert score_samples(samples, Scorer(rm_type="countdown", max_workers=16)) == 0
     assert all(s.reward == 1.0 for s in samples)
+
+
+def spin_reward(cfg, sample):
+    """custom_rm_path shape: busy-loops (never returns) on the response "spin", after writing its
+    process id to ``metadata["pid_file"]``; otherwise 1.0 and the worker's pid."""
+    import os
+    from pathlib import Path
+
+    if sample.response == "spin":
+        Path(sample.metadata["pid_file"]).write_text(str(os.getpid()))
+        while True:
+            pass
+    return {"score": 1.0, "pid": os.getpid()}
+
+
+def _pid_alive(pid: int) -> bool:
+    from pathlib import Path
+
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
+
+
+def test_busy_looping_custom_reward_is_killed_and_its_worker_replaced(tmp_path):
+    pid_file = tmp_path / "spin.pid"
+    scorer = Scorer(rm_type="exact", custom_rm_path="tests.test_rewards:spin_reward",
+                    timeout_s=5.0, max_workers=2)
+    try:
+        samples = [_sample("spin", pid_file=str(pid_file)), *[_sample(str(i)) for i in range(6)]]
+        assert score_samples(samples, scorer) == 1
+        spun = int(pid_file.read_text())
+        assert samples[0].status == Status.FAILED
+        assert samples[0].reward_detail["error"] == "timed out after 5.0s"
+        assert [s.reward for s in samples[1:]] == [1.0] * 6
+        # the other worker scored the rest while the first spun; the spinning process is gone
+        assert {s.reward_detail["pid"] for s in samples[1:]} != {spun}
+        assert not _pid_alive(spun) and spun not in scorer.workers.pids()
+        assert scorer.workers.replaced == 1
+        again = [_sample(str(i)) for i in range(4)]
+        assert score_samples(again, scorer) == 0
+        assert spun not in {s.reward_detail["pid"] for s in again}
+        workers = scorer.workers.pids()
+    finally:
+        scorer.close()
+    assert workers and not any(_pid_alive(p) for p in workers)
+
+
+def _seed_inf(lake_uri: str, predicate: str) -> None:
+    """Rewrite the reward of the rows matching ``predicate`` to +inf, as an older rlake wrote it."""
+    import deltalake
+
+    deltalake.DeltaTable(f"{lake_uri}/trajectories").update(
+        predicate=predicate, updates={"reward": "CAST('inf' AS DOUBLE)"})
+
+
+def test_lake_rows_with_inf_rewards_read_back_as_failed_and_train(tmp_path):
+    from buffer import Lake
+    from buffer.synth import synthetic_rows
+    from tests.trainer_fixtures import build_model, trainer
+    from trainers.base import TrainBatch
+    from trainers.metrics import rollout_metrics
+
+    lake = Lake(str(tmp_path / "lake"))
+    lake.append_trajectories(synthetic_rows("r", 0, 8, prompt_len=4, response_len=3, seed=1))
+    _seed_inf(lake.uri, "sample_index IN (1, 5)")
+    rows = lake.training_slice("r", 0, 0)
+    assert sorted(rows.column("reward").to_pylist())[-2:] == [math.inf, math.inf]
+    samples = [Sample.from_row(r) for r in rows.to_pylist()]
+    bad = [s for s in samples if s.index in (1, 5)]
+    assert all(s.status == Status.FAILED and s.reward == 0.0 for s in bad)
+    assert bad[0].reward_detail["error"] == "reward is inf (not a finite number)"
+    assert math.isfinite(rollout_metrics(samples, 1.0)["rollout/reward_std"])
+    batch = TrainBatch.from_arrow(rows)
+    assert all(math.isfinite(r) for r in batch.rewards) and batch.rewards.count(0.0) >= 2
+    batch.prompt_token_ids = [[t % 26 + 4 for t in p] for p in batch.prompt_token_ids]  # tiny vocab
+    batch.response_token_ids = [[t % 26 + 4 for t in r] for r in batch.response_token_ids]
+    stats = trainer(build_model(tmp_path), 8).train(batch)
+    assert all(math.isfinite(v) for v in stats.values() if isinstance(v, float))
+
+
+def test_resume_over_a_lake_holding_inf_rewards(tmp_path):
+    """A run killed after iteration 0's lake append, whose rows then hold +inf rewards (as rlake
+    wrote them before rewards were checked), resumes, reuses those rows as failed samples and
+    finishes (it used to fail on every resume: "'float' object has no attribute 'numerator'")."""
+    from buffer import Lake
+    from tests.opshelp import TINY, cli_env, rlake, tail
+
+    home = tmp_path / "home"
+    args = ["--set", f"home={home}", "--set", "num_rollout=1", *TINY]
+    killed = rlake(["run", "--set", "run_id=inf", *args], cli_env(None, RLAKE_FAULT="after_lake_append:0"),
+                   tmp_path / "run.log")
+    assert killed.returncode != 0, tail(tmp_path / "run.log")
+    lake = Lake(str(home / "lake"))
+    assert lake.read("train_steps", run_id="inf").num_rows == 0, tail(tmp_path / "run.log")
+    _seed_inf(lake.uri, "run_id = 'inf' AND iteration = 0 AND sample_index < 4")
+    resumed = rlake(["resume", "inf", "--home", str(home)], cli_env(None), tmp_path / "resume.log")
+    assert resumed.returncode == 0, tail(tmp_path / "resume.log")
+    steps = lake.read("train_steps", run_id="inf").to_pylist()
+    assert [s["iteration"] for s in steps] == [0]
+    assert lake.get_run("inf")["status"] == "completed"
+    assert "iteration 0: reusing its 16 samples already in the lake" in tail(tmp_path / "resume.log")

@@ -6,13 +6,11 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-import typer
-from typer.testing import CliRunner
 
 from buffer import Lake
 from buffer.sql import SqlRefused, sql
 from buffer.synth import synthetic_rows
-from infra.lake_cli import lake_app, sql_command
+from tests.conftest import run_cli
 
 
 @pytest.fixture
@@ -22,14 +20,6 @@ def lake(tmp_path) -> Lake:
     lake.append_trajectories(synthetic_rows("r", 1, 6))
     lake.upsert_run({"run_id": "r", "status": "running"})
     return lake
-
-
-@pytest.fixture
-def cli() -> typer.Typer:
-    app = typer.Typer()
-    app.command("sql")(sql_command)
-    app.add_typer(lake_app, name="lake")
-    return app
 
 
 def test_sql_returns_arrow_with_pushed_down_filters(lake):
@@ -57,11 +47,39 @@ def test_sql_time_travel(lake):
     ("DROP VIEW trajectories", "DROP"),
     ("CREATE TABLE x AS SELECT 1", "CREATE"),
     ("SET enable_external_access = true", "SET"),
-    ("SELECT 1; DELETE FROM trajectories", "DELETE"),
+    ("PRAGMA version", "PRAGMA"),
+    ("CALL pragma_version()", "CALL"),
+    ("CREATE MACRO m(a) AS a", "CREATE"),
+    # EXPLAIN ANALYZE runs the statement it explains: that one is checked
+    ("EXPLAIN ANALYZE CREATE MACRO m(a) AS a", "CREATE"),
+    ("/* c */ explain -- c\n analyze (FORMAT json) COPY (SELECT 1) TO '/tmp/rlake-x.csv'", "COPY"),
+    ("EXPLAIN ANALYZE DELETE FROM trajectories", "DELETE"),
+    ("EXPLAIN LOAD httpfs", "LOAD"),
+    ("EXPLAIN SET threads = 1", "SET"),
+    ("EXPLAIN ANALYZE PRAGMA version", "PRAGMA"),
+    ("EXPLAIN ANALYZE CALL pragma_version()", "CALL"),
 ])
 def test_sandbox_refuses_statements(lake, query, word):
     with pytest.raises(SqlRefused, match=rf"refused {word} statement.*read-only and sandboxed"):
         sql(lake, query)
+
+
+def test_one_statement_at_a_time(lake):
+    for query in ("SELECT 1; SELECT 2", "SELECT 1; DELETE FROM trajectories"):
+        with pytest.raises(SqlRefused, match="^one statement at a time: got 2"):
+            sql(lake, query)
+    assert sql(lake, "SELECT 42 AS x;").column("x").to_pylist() == [42]  # a trailing ; is fine
+    plan = sql(lake, "EXPLAIN ANALYZE SELECT count(*) FROM trajectories")
+    assert plan.num_rows >= 1
+
+
+def test_memory_limit_and_timeout(lake):
+    with pytest.raises(ValueError, match=r"more memory than the limit of 64MB \(--memory-limit\)"):
+        sql(lake, "SELECT list(range) FROM range(100000000)", memory_limit="64MB")
+    with pytest.raises(ValueError, match=r"ran past the timeout of 0.5s \(--timeout\)"):
+        sql(lake, "SELECT count(*) FROM range(100000000000) a WHERE a.range % 7 = 3", timeout_s=0.5)
+    assert sql(lake, "SELECT count(*) AS n FROM trajectories", memory_limit="64MB",
+               timeout_s=60).column("n").to_pylist() == [16]
 
 
 @pytest.mark.parametrize("query", [
@@ -83,53 +101,80 @@ def test_sql_errors_are_one_line(lake):
         sql(lake, "SELEC 1")
 
 
-def test_cli_formats_and_out(lake, cli, tmp_path):
-    runner = CliRunner()
+def rlake(*args: str):
+    """The `rlake` a user runs (``python -m infra.cli`` in a subprocess): exit code and output."""
+    return run_cli(list(args), check=False, timeout=300)
+
+
+def test_cli_formats_and_out(lake, tmp_path):
     q = "SELECT iteration, count(*) AS n FROM trajectories GROUP BY 1 ORDER BY 1"
-    res = runner.invoke(cli, ["sql", q, "--lake", lake.uri])
-    assert res.exit_code == 0, res.output
-    assert res.output.splitlines()[0].split() == ["iteration", "|", "n"] and "(2 rows)" in res.output
-    res = runner.invoke(cli, ["sql", q, "--lake", lake.uri, "--format", "csv"])
-    assert res.output.splitlines() == ['"iteration","n"', "0,10", "1,6"]
-    res = runner.invoke(cli, ["sql", "SELECT sample_uid, loss_mask, created_at FROM trajectories LIMIT 1",
-                              "--lake", lake.uri, "--format", "json"])
-    row = json.loads(res.output.splitlines()[0])
+    res = rlake("sql", q, "--lake", lake.uri)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[0].split() == ["iteration", "|", "n"] and "(2 rows)" in res.stdout
+    res = rlake("sql", q, "--lake", lake.uri, "--format", "csv")
+    assert res.stdout.splitlines() == ['"iteration","n"', "0,10", "1,6"]
+    res = rlake("sql", "SELECT sample_uid, loss_mask, created_at FROM trajectories LIMIT 1",
+                "--lake", lake.uri, "--format", "json")
+    row = json.loads(res.stdout.splitlines()[0])
     assert row["sample_uid"].startswith("r/") and isinstance(row["loss_mask"], list) and "T" in row["created_at"]
     out = tmp_path / "o.parquet"
-    res = runner.invoke(cli, ["sql", q, "--lake", lake.uri, "--format", "parquet", "--out", str(out)])
-    assert res.exit_code == 0 and pq.read_table(out).num_rows == 2
-    res = runner.invoke(cli, ["sql", q, "--lake", lake.uri, "--as-of", str(lake.table_version("trajectories") - 1)])
-    assert "(1 row)" in res.output
+    res = rlake("sql", q, "--lake", lake.uri, "--format", "parquet", "--out", str(out))
+    assert res.returncode == 0 and pq.read_table(out).num_rows == 2
+    res = rlake("sql", q, "--lake", lake.uri, "--as-of", str(lake.table_version("trajectories") - 1))
+    assert res.returncode == 0 and "(1 row)" in res.stdout
+    res = rlake("sql", "SELECT sample_uid FROM trajectories", "--lake", lake.uri, "--max-rows", "3")
+    assert res.returncode == 0 and "(3 of 16 rows)" in res.stdout and len(res.stdout.splitlines()) == 6
 
 
-def test_cli_refusals_and_bad_options(lake, cli):
-    runner = CliRunner()
-    res = runner.invoke(cli, ["sql", "DELETE FROM trajectories", "--lake", lake.uri])
-    assert res.exit_code == 2 and "refused DELETE" in res.output
-    res = runner.invoke(cli, ["sql", "SELECT 1", "--lake", lake.uri, "--format", "xml"])
-    assert res.exit_code == 2 and "unknown --format 'xml'" in res.output
-    res = runner.invoke(cli, ["sql", "SELECT 1", "--lake", lake.uri, "--format", "parquet"])
-    assert res.exit_code == 2 and "needs --out" in res.output
-    res = runner.invoke(cli, ["sql", "SELECT 1", "--lake", lake.uri, "-S", "novalue"])
-    assert res.exit_code != 0 and "KEY=VALUE" in res.output
+@pytest.mark.parametrize("args, code, message", [
+    (["DELETE FROM trajectories"], 2, "refused DELETE statement"),
+    (["EXPLAIN ANALYZE CREATE MACRO m(a) AS a"], 2, "refused CREATE statement"),
+    (["SELECT 1; SELECT 2"], 2, "one statement at a time: got 2"),
+    (["SELEC 1"], 2, "SQL syntax error"),
+    (["SELECT * FROM nowhere"], 2, "SQL error: Catalog Error"),
+    (["SELECT 1", "--format", "xml"], 2, "unknown --format 'xml'"),
+    (["SELECT 1", "--format", "parquet"], 2, "needs --out"),
+    (["SELECT 1", "-S", "novalue"], 2, "KEY=VALUE"),
+    (["SELECT 1", "--max-rows", "0"], 2, "--max-rows"),
+    (["SELECT 1", "--memory-limit", "lots"], 2, "--memory-limit 'lots' is not a size"),
+    (["SELECT list(range) FROM range(100000000)", "--memory-limit", "64MB"], 2,
+     "more memory than the limit of 64MB (--memory-limit)"),
+    (["SELECT count(*) FROM range(100000000000) a WHERE a.range % 7 = 3", "--timeout", "1"], 2,
+     "ran past the timeout of 1s (--timeout)"),
+])
+def test_cli_sql_failures_exit_non_zero_with_one_line(lake, args, code, message):
+    res = rlake("sql", *args, "--lake", lake.uri)
+    assert res.returncode == code, (res.stdout, res.stderr)
+    assert message in res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
     assert lake.read("trajectories").num_rows == 16
 
 
-def test_cli_lake_maintenance(lake, cli):
-    runner = CliRunner()
-    res = runner.invoke(cli, ["lake", "history", "--lake", lake.uri])
-    assert res.exit_code == 0 and "append_trajectories" in res.output
-    res = runner.invoke(cli, ["lake", "compact", "--lake", lake.uri, "--max-row-group-size", "4"])
-    assert res.exit_code == 0 and json.loads(res.output)["numFilesRemoved"] == 2
-    res = runner.invoke(cli, ["lake", "vacuum", "--lake", lake.uri, "--retention-hours", "0", "--dry-run"])
-    assert res.exit_code == 0 and len([x for x in res.output.splitlines() if x.endswith(".parquet")]) == 2
-    res = runner.invoke(cli, ["lake", "vacuum", "--lake", lake.uri, "--retention-hours", "0"])
-    assert res.exit_code == 0 and "deleted 2 files" in res.output
-    res = runner.invoke(cli, ["lake", "history", "--lake", lake.uri, "--json", "--limit", "1"])
-    assert json.loads(res.output)["operation"] == "VACUUM END"
+def test_cli_missing_lake_folder_is_an_error(tmp_path):
+    for args in (["sql", "SELECT count(*) FROM trajectories"], ["lake", "history"]):
+        res = rlake(*args, "--lake", str(tmp_path / "typo"))
+        assert res.returncode == 2, res.stdout
+        assert f"no lake at {tmp_path / 'typo'}" in res.stderr and "does not exist" in res.stderr
+
+
+def test_cli_lake_maintenance(lake):
+    res = rlake("lake", "history", "--lake", lake.uri)
+    assert res.returncode == 0 and "append_trajectories" in res.stdout
+    res = rlake("lake", "compact", "--lake", lake.uri, "--max-row-group-size", "4")
+    assert res.returncode == 0 and json.loads(res.stdout)["numFilesRemoved"] == 2
+    res = rlake("lake", "vacuum", "--lake", lake.uri, "--retention-hours", "0", "--dry-run")
+    assert res.returncode == 0 and len([x for x in res.stdout.splitlines() if x.endswith(".parquet")]) == 2
+    res = rlake("lake", "vacuum", "--lake", lake.uri, "--retention-hours", "0")
+    assert res.returncode == 0 and "deleted 2 files" in res.stderr
+    res = rlake("lake", "history", "--lake", lake.uri, "--json", "--limit", "1")
+    assert json.loads(res.stdout)["operation"] == "VACUUM END"
     assert lake.read("trajectories").num_rows == 16
-    res = runner.invoke(cli, ["lake", "compact", "--lake", lake.uri, "--table", "bogus"])
-    assert res.exit_code == 2 and "unknown table 'bogus'" in res.output
+    res = rlake("lake", "compact", "--lake", lake.uri, "--table", "bogus")
+    assert res.returncode == 2 and "unknown table 'bogus'" in res.stderr
+    res = rlake("lake", "history", "--lake", lake.uri, "-S", "AWS_REGION=eu-west-1", "--limit", "1")
+    assert res.returncode == 0 and "VACUUM END" in res.stdout  # a local lake ignores store options
+    res = rlake("lake", "history", "--lake", lake.uri, "-S", "=x")
+    assert res.returncode == 2 and "'=x' is not KEY=VALUE" in res.stderr
 
 
 def test_lineage_is_one_query(lake):

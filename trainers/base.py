@@ -8,6 +8,8 @@ from typing import Protocol, runtime_checkable
 import pyarrow as pa
 import torch
 
+from rollout.sample import train_reward
+
 
 @dataclass
 class TrainBatch:
@@ -31,7 +33,8 @@ class TrainBatch:
 
     @classmethod
     def from_arrow(cls, table: pa.Table) -> TrainBatch:
-        """Rows sorted by (iteration, group_index, sample_index) so groups are consecutive."""
+        """Rows sorted by (iteration, group_index, sample_index) so groups are consecutive; a
+        missing or non-finite reward (a failed sample, or an inf row from an older lake) is 0.0."""
         table = table.sort_by([("iteration", "ascending"), ("group_index", "ascending"),
                                ("sample_index", "ascending")])
         cols = table.to_pydict()
@@ -41,7 +44,7 @@ class TrainBatch:
             response_token_ids=cols["response_token_ids"],
             loss_mask=cols["loss_mask"],
             rollout_logprobs=cols["rollout_logprobs"],
-            rewards=[0.0 if r is None else float(r) for r in cols["reward"]],
+            rewards=[train_reward(r) for r in cols["reward"]],
             group_keys=[f"{r}/{i}/{g}" for r, i, g in zip(cols["run_id"], cols["iteration"],
                                                         cols["group_index"], strict=True)],
             weight_versions=cols["weight_version"],
