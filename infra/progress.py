@@ -48,13 +48,21 @@ class RichReporter:
 
 
 def run_with_progress(cfg: RunConfig, run_id: str | None, resume: bool, console: Console) -> dict:
-    from flows.rl import rl_run, set_reporter
+    """Check, record and open the run (``infra.startup.prepared_run``: Prefect's server starts
+    meanwhile), then run its flow with a live display."""
+    from infra.startup import prepared_run
 
-    reporter = RichReporter(console)
-    set_reporter(reporter)
-    console.print("[dim]starting Prefect's embedded server and the run (first start takes ~10-30 s)[/]")
-    with reporter.progress:
-        summary = rl_run(cfg.model_dump(), run_id=run_id, resume=resume)
+    with prepared_run(cfg, run_id, resume) as run_id:
+        from prefect import tags
+
+        from flows.rl import rl_run, set_reporter
+        from infra.recovery import run_tag
+
+        reporter = RichReporter(console)
+        set_reporter(reporter)
+        # tagged from its creation: a kill -9 at any moment leaves a flow run resume can find
+        with reporter.progress, tags(run_tag(run_id)):
+            summary = rl_run(cfg.model_dump(), run_id=run_id, resume=resume)
     summary["accuracy"] = accuracy_before_after(summary["lake_uri"], summary["run_id"], cfg)
     return summary
 
