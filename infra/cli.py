@@ -39,7 +39,8 @@ def run(config: Annotated[Path | None, typer.Argument(help="YAML config")] = Non
     cfg = load_config(config, set_ or [])
     from infra.progress import run_with_progress
 
-    summary = run_with_progress(cfg, run_id or cfg.run_id, resume=False, console=console)
+    summary = run_with_progress(cfg, run_id or cfg.run_id, resume=False, console=console,
+                                debug=STATE["debug"])
     _print_summary(summary)
 
 
@@ -59,7 +60,7 @@ def resume(run_id: str, home: HomeOpt = "./rlake-home",
         return resume_replay(row, cfg.home)
     from infra.progress import run_with_progress
 
-    summary = run_with_progress(cfg, run_id, resume=True, console=console)
+    summary = run_with_progress(cfg, run_id, resume=True, console=console, debug=STATE["debug"])
     _print_summary(summary)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -47,7 +49,23 @@ class RichReporter:
             self.progress.update(self.rl_task, completed=p["iteration"] + 1, info=info)
 
 
-def run_with_progress(cfg: RunConfig, run_id: str | None, resume: bool, console: Console) -> dict:
+def _no_prefect_errors_on_console(record: logging.LogRecord) -> bool:
+    """Prefect's own error records (a failed flow's traceback): the CLI prints the error in one
+    line, and the records still reach Prefect's API (the flow run's logs)."""
+    return not (record.name.startswith("prefect") and record.levelno >= logging.ERROR)
+
+
+def quiet_prefect_errors() -> None:
+    """Keep Prefect's error tracebacks off the console (``--debug`` shows them)."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler):
+            handler.addFilter(_no_prefect_errors_on_console)
+
+
+def run_with_progress(cfg: RunConfig, run_id: str | None, resume: bool, console: Console,
+                      debug: bool = False) -> dict:
     """Check, record and open the run (``infra.startup.prepared_run``: Prefect's server starts
     meanwhile), then run its flow with a live display."""
     from infra.startup import prepared_run
@@ -57,6 +75,9 @@ def run_with_progress(cfg: RunConfig, run_id: str | None, resume: bool, console:
 
         from flows.rl import rl_run, set_reporter
         from infra.recovery import run_tag
+
+        if not debug:
+            quiet_prefect_errors()
 
         reporter = RichReporter(console)
         set_reporter(reporter)
