@@ -82,14 +82,18 @@ def ensure_server(home: str | Path, port: int | None = None, startup_timeout_s: 
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + startup_timeout_s
-    while not healthy(url):
-        if proc.poll() is not None:
-            raise RuntimeError(f"prefect server exited with {proc.returncode}; see {phome / 'server.log'}")
-        if time.monotonic() > deadline:
-            stop_processes([proc.pid])
-            raise RuntimeError(f"prefect server did not answer within {startup_timeout_s:.0f} s; "
-                               f"see {phome / 'server.log'}")
-        time.sleep(0.5)
+    try:
+        while not healthy(url):
+            if proc.poll() is not None:
+                raise RuntimeError(f"prefect server exited with {proc.returncode}; "
+                                   f"see {phome / 'server.log'}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"prefect server did not answer within {startup_timeout_s:.0f} s; "
+                                   f"see {phome / 'server.log'}")
+            time.sleep(0.5)
+    except BaseException:  # a timeout, or a SIGTERM/Ctrl-C while it starts: leave no server behind
+        _stop_group(proc.pid)
+        raise
     (phome / STATE_FILE).write_text(json.dumps({"pid": proc.pid, "url": url}))
     return url
 
@@ -100,14 +104,19 @@ def stop_server(home: str | Path) -> int | None:
     if not path.exists():
         return None
     pid = int(json.loads(path.read_text())["pid"])
+    _stop_group(pid)
+    path.unlink(missing_ok=True)
+    return pid
+
+
+def _stop_group(pid: int) -> None:
+    """End a server started in its own session: the whole group (uvicorn and what it started)."""
     if pid_alive(pid):
-        try:  # its own session: end the whole group (uvicorn and anything it started)
+        try:
             os.killpg(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
         stop_processes([pid], grace_s=10.0)
-    path.unlink(missing_ok=True)
-    return pid
 
 
 class EmbeddedServer:
