@@ -22,6 +22,7 @@ from mlflow.tracking import MlflowClient
 
 EXPERIMENT = "rlake"
 BATCH_LIMIT = 1000  # MLflow's log_batch takes at most 1000 metrics per call
+RETRIES = 2  # as the log_metrics task had
 
 
 def tracking_uri(home: str | Path) -> str:
@@ -52,12 +53,21 @@ class _Sender:
                 item = self.queue.get_nowait()
                 pending.append(item)
             try:
-                self._send(pending)
-            except BaseException as err:  # noqa: BLE001 - reported by flush
-                self.error = self.error or err
+                self._send_with_retries(pending)
             finally:
                 for _ in pending:
                     self.queue.task_done()
+
+    def _send_with_retries(self, pending: list[tuple]) -> None:
+        for attempt in range(RETRIES + 1):  # SQLite may be busy (another run on this home)
+            try:
+                self._send(pending)
+                return
+            except Exception as err:  # noqa: BLE001 - kept, raised by flush
+                if attempt == RETRIES:
+                    self.error = self.error or err
+                else:
+                    time.sleep(1.0)
 
     def _send(self, items: list[tuple]) -> None:
         metrics: list[tuple[str, list[Metric]]] = []
