@@ -170,8 +170,9 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool) -> Iterator[s
     way out the server is stopped and a runtime the pipeline never took is closed."""
     from infra.env import set_environment
     from infra.prefect_server import EmbeddedServer
+    from infra.recovery import claim_run, release_run
 
-    set_environment(cfg.home, cfg.torch_threads)
+    home = set_environment(cfg.home, cfg.torch_threads)
     check(cfg)
     lake = open_lake(cfg)
     if resume:
@@ -180,10 +181,14 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool) -> Iterator[s
     else:
         run_id = run_id or cfg.run_id or new_run_id()
         refuse_existing(lake, cfg, run_id)
-        record_run(lake, cfg, run_id)
-        fault_point("after_run_recorded")
-    server = EmbeddedServer.start(cfg.home)
+    run_dir = home / "runs" / run_id
+    claim_run(run_dir)  # a live owner from the start: `rlake status` does not call it interrupted
+    server = None
     try:
+        if not resume:
+            record_run(lake, cfg, run_id)
+            fault_point("after_run_recorded")
+        server = EmbeddedServer.start(cfg.home)
         from infra.env import configure_environment
         from infra.runtime import open_runtime
 
@@ -194,12 +199,15 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool) -> Iterator[s
             if not resume:
                 mark_failed(lake, run_id)
             raise
+        import flows.rl  # noqa: F401 - Prefect's client side imports while its server starts
+
         fault_point("before_first_flow")
         if server is not None:
             server.wait()
         yield run_id
     finally:
         _close_unused_runtime(run_id)
+        release_run(run_dir)
         if server is not None:
             server.stop()
 

@@ -103,6 +103,12 @@ def test_run_whose_rewards_all_fail_warns_and_stops(tmp_path):
     lake = Lake(str(tmp_path / "home" / "lake"))
     assert lake.get_run("nor")["status"] == "failed"
     assert sorted(s["iteration"] for s in lake.read("train_steps", run_id="nor").to_pylist()) == [0, 1]
+    # the failure path closed the MLflow run and the flow run
+    from tests.test_startup import _flow_run_states, _mlflow_runs
+
+    assert [s for _, s in _mlflow_runs(tmp_path / "home", "nor")] == ["FAILED"]
+    states = [s for _, s in _flow_run_states(tmp_path / "home")]
+    assert "FAILED" in states and "RUNNING" not in states, states
 
 
 def broken_reward(cfg, sample) -> float:  # noqa: ARG001 - custom_rm_path signature
