@@ -17,6 +17,7 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 
 from infra.recovery import (
     claim_run,
@@ -58,10 +59,12 @@ def recorded_samples(rt: Runtime, iteration: int) -> tuple[list[Sample], dict[st
 
 def register_version(rt: Runtime, version: int, iteration: int | None, lake_version: int | None,
                      n_samples: int) -> None:
-    """Weight version ``version`` as an MLflow model version with its lineage tags."""
-    rt.tracker.register_weight_version(rt.run_id, version, {
-        "iteration": "sft" if iteration is None else iteration, "lake_version": lake_version,
-        "sample_count": n_samples, "checkpoint": str(rt.checkpoint_dir(version))})
+    """Weight version ``version`` as an MLflow model version with its lineage tags (on the
+    tracker's background thread: off the iteration's path; a crash before it is sent is
+    repaired by ``register_missing_versions``)."""
+    tags = {"iteration": "sft" if iteration is None else iteration, "lake_version": lake_version,
+            "sample_count": n_samples, "checkpoint": str(rt.checkpoint_dir(version))}
+    rt.tracker.defer(lambda: rt.tracker.register_weight_version(rt.run_id, version, tags))
 
 
 def relog_missing_metrics(rt: Runtime) -> list[int]:
@@ -138,6 +141,27 @@ def owned_run(rt: Runtime) -> Iterator[Runtime]:
     finally:
         release_run(rt.run_dir)
         close_runtime(rt)
+
+
+def update_run_row(rt: Runtime, status: str, **extra) -> None:
+    """The run's ``runs`` row: config, status, its MLflow run."""
+    rt.lake.upsert_run({"run_id": rt.run_id, "config": rt.cfg.model_dump_json(), "status": status,
+                        "mlflow_run_id": rt.tracker.run_id,
+                        "updated_at": datetime.now(UTC), **extra})
+
+
+def fail_run(rt: Runtime) -> None:
+    """The failure path of a run, whatever failed (a full disk, a bad lake, an exception in
+    SFT): the MLflow run is closed FAILED and the runs row marked failed, each attempted even if
+    the other cannot be written. The caller re-raises (Prefect then marks the flow run Failed)."""
+    try:
+        rt.tracker.finish("FAILED")
+    except Exception as err:  # noqa: BLE001 - the original error is what the user needs
+        rt.report("warning", {"message": f"could not close the MLflow run: {err}"})
+    try:
+        update_run_row(rt, "failed")
+    except Exception as err:  # noqa: BLE001
+        rt.report("warning", {"message": f"could not mark the run failed in the lake: {err}"})
 
 
 def start_or_recover(rt: Runtime, resume: bool) -> None:

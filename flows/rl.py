@@ -19,13 +19,20 @@ resume, ``flows.durability`` reuses trajectories already in the lake and repairs
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime
 
 from prefect import flow, tags
 from prefect.settings import temporary_settings
 from prefect.utilities.annotations import quote
 
-from flows.durability import owned_run, recorded_samples, register_version, start_or_recover
+from flows.durability import (
+    fail_run,
+    owned_run,
+    recorded_samples,
+    register_version,
+    start_or_recover,
+)
+from flows.durability import update_run_row as _update_run
+from flows.guards import check_rewards
 from flows.steps import phase, train_and_commit
 from infra.config import RunConfig, config_from_dict
 from infra.faults import fault_point, set_iteration
@@ -85,12 +92,6 @@ def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
     return metrics
 
 
-def _update_run(rt: Runtime, status: str, **extra) -> None:
-    rt.lake.upsert_run({"run_id": rt.run_id, "config": rt.cfg.model_dump_json(), "status": status,
-                        "mlflow_run_id": rt.tracker.run_id,
-                        "updated_at": datetime.now(UTC), **extra})
-
-
 @flow(name="rl_run")
 def rl_run(config: dict, run_id: str | None = None, resume: bool = False) -> dict:
     """A whole run: warm-up once, then iterations from the last durable one to ``num_rollout``."""
@@ -108,14 +109,15 @@ def set_reporter(reporter) -> None:
 
 
 def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
-    rt = open_runtime(cfg, run_id, resume)
+    # the CLI opens the runtime before the first flow, while Prefect's server starts
+    rt = RUNTIMES.get(run_id) or open_runtime(cfg, run_id, resume)
     with owned_run(rt):
         rt.reporter = _REPORTER
         reporter = rt.report
-        rt.tracker.start(rt.run_id, params=_flat_params(rt.cfg), tags={"rlake.run_id": rt.run_id},
-                         mlflow_run_id=rt.mlflow_run_id)
-        _update_run(rt, "running")
         try:
+            rt.tracker.start(rt.run_id, params=_flat_params(rt.cfg),
+                             tags={"rlake.run_id": rt.run_id}, mlflow_run_id=rt.mlflow_run_id)
+            _update_run(rt, "running")
             start_or_recover(rt, resume)
             with tags(run_tag(rt.run_id)):  # every subflow run carries the tag
                 if rt.start_iteration == 0 and not rt.checkpoint_dir(0).exists():
@@ -133,13 +135,13 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
                 for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
                     metrics = rl_iteration(rt.run_id, iteration)
                     reporter("iteration", {"iteration": iteration, **metrics})
+                    check_rewards(rt, iteration, metrics)
             _update_run(rt, "completed")
             rt.tracker.finish("FINISHED")
             return {"run_id": rt.run_id, "home": str(rt.home), "lake_uri": rt.cfg.resolved_lake_uri,
                     "mlflow_uri": rt.tracker.uri, "checkpoints": str(rt.checkpoint_root)}
         except BaseException:
-            _update_run(rt, "failed")
-            rt.tracker.finish("FAILED")
+            fail_run(rt)
             raise
 
 

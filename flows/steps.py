@@ -68,6 +68,9 @@ def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_sta
     metrics = {**rollout_stats, **{f"train/{k}": v for k, v in train_metrics.items()},
                **staleness(base_version, versions), "weight_version": float(new_version)}
     with phase(timings, "record"):
+        # the previous iteration's MLflow work (sent in the background) lands before this commit:
+        # a crash can only lose the current iteration's, which resume re-does (durability.recover)
+        rt.tracker.flush()
         record_train_step(rt, train_step_row(rt, iteration, base_version, new_version, lake_version,
                                              training_slice, train_metrics, metrics, timings))
         rt.prune_checkpoints(keep_version=new_version)  # new_version is committed now

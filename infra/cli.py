@@ -40,10 +40,10 @@ def run(config: Annotated[Path | None, typer.Argument(help="YAML config")] = Non
         run_id: Annotated[str | None, typer.Option("--run-id")] = None) -> None:
     """Start a run: SFT warm-up, then RL iterations, each a Prefect flow run."""
     cfg = load_config(config, set_ or [])
-    _prepare(cfg.home, cfg.torch_threads)
     from infra.progress import run_with_progress
 
-    summary = run_with_progress(cfg, run_id or cfg.run_id, resume=False, console=console)
+    summary = run_with_progress(cfg, run_id or cfg.run_id, resume=False, console=console,
+                                debug=STATE["debug"])
     _print_summary(summary)
 
 
@@ -53,17 +53,17 @@ def resume(run_id: str, home: HomeOpt = "./rlake-home",
     """Continue RUN_ID from its last completed iteration (read from the lake)."""
     overrides = [f"home={home}"] + ([f"lake_uri={lake_uri}"] if lake_uri else [])
     cfg = load_config(None, overrides)
-    _prepare(cfg.home, cfg.torch_threads)
-    from buffer import Lake
+    from infra.startup import load_row, open_lake
 
-    row = Lake(cfg.resolved_lake_uri, cfg.storage_options or None).get_run(run_id)
-    if row is not None and row.get("replay_of"):
+    row = load_row(open_lake(cfg), cfg, run_id)
+    if row.get("replay_of"):
         from infra.ops_cli import resume_replay
 
+        _prepare(cfg.home, cfg.torch_threads)
         return resume_replay(row, cfg.home)
     from infra.progress import run_with_progress
 
-    summary = run_with_progress(cfg, run_id, resume=True, console=console)
+    summary = run_with_progress(cfg, run_id, resume=True, console=console, debug=STATE["debug"])
     _print_summary(summary)
 
 

@@ -52,6 +52,10 @@ class DataConfig(_Section):
                                       "chat template (plain text when it has none)")
     rollout_max_prompt_len: int | None = Field(None, ge=1, description="longer prompts are skipped "
                                                "(and counted)")
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="a longer prompt is an error naming its file and line (when "
+                                "rollout_max_prompt_len does not skip it); None: the model's "
+                                "context (max_position_embeddings) less rollout_max_response_len")
     held_out_size: int = Field(500, ge=1, description="held-out problems never trained on")
     rollout_shuffle: bool = True
 
@@ -81,6 +85,9 @@ class RolloutConfig(_Section):
     rm_retries: int = Field(2, ge=0, description="remote reward: retries after the first attempt")
     reward_timeout_s: float = Field(30.0, gt=0, description="a reward call running longer fails its sample")
     reward_max_workers: int = Field(8, ge=1, description="concurrent reward calls")
+    max_failed_reward_iterations: int = Field(
+        3, ge=1, description="stop the run (non-zero exit) after this many consecutive iterations "
+                             "whose every reward failed (each one is warned about)")
     rollout_function_path: str | None = Field(None, description="fn(ctx, iteration) -> groups")
     custom_generate_function_path: str | None = Field(
         None, description="fn(ctx, sample, sampling) -> sample (per-sample generation)")

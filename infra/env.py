@@ -39,11 +39,9 @@ OFFLINE_ENV = {
 }
 
 
-def configure_environment(home: str | Path, torch_threads: int = 1) -> Path:
-    """Point Prefect's state at ``{home}/prefect``, turn telemetry off, pin torch threads.
-
-    Values the user already set in the environment win (so a cluster profile can point
-    PREFECT_API_URL at a server)."""
+def set_environment(home: str | Path, torch_threads: int = 1) -> Path:
+    """The environment part of ``configure_environment``: imports nothing heavy, so it can run
+    before anything slow (Prefect's server is spawned with this environment)."""
     home = Path(home).resolve()
     home.mkdir(parents=True, exist_ok=True)
     for key, value in OFFLINE_ENV.items():
@@ -52,6 +50,15 @@ def configure_environment(home: str | Path, torch_threads: int = 1) -> Path:
     os.environ.setdefault("OMP_NUM_THREADS", str(torch_threads))
     for name in ("mlflow", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    return home
+
+
+def configure_environment(home: str | Path, torch_threads: int = 1) -> Path:
+    """Point Prefect's state at ``{home}/prefect``, turn telemetry off, pin torch threads.
+
+    Values the user already set in the environment win (so a cluster profile can point
+    PREFECT_API_URL at a server)."""
+    home = set_environment(home, torch_threads)
     import torch
 
     torch.set_num_threads(torch_threads)

@@ -2,6 +2,7 @@
 
     RLAKE_FAULT=after_lake_append:3      # die right after iteration 3's trajectories are committed
     RLAKE_FAULT=during_train:2,after_checkpoint_save:5   # several points (the first one hit wins)
+    RLAKE_FAULT=after_run_recorded       # no iteration: the first time the point is reached
 
 Points are named in ``POINTS`` and placed in the pipeline with ``fault_point(name)``; the
 iteration is the one set by ``set_iteration`` (the flow sets it at the start of each iteration).
@@ -14,6 +15,11 @@ import os
 import signal
 
 ENV = "RLAKE_FAULT"
+# before the first iteration (``rlake run``/``resume``, infra/startup.py): no iteration needed
+STARTUP_POINTS: dict[str, str] = {
+    "after_run_recorded": "the runs row is written (status running), nothing else",
+    "before_first_flow": "model, data, MLflow store and Prefect server are up, no flow ran",
+}
 POINTS: dict[str, str] = {
     "during_generate": "engine generated the iteration's samples, nothing written yet",
     "during_lake_append": "inside the trajectories' Delta write: part of the rows handed to the "
@@ -28,16 +34,21 @@ POINTS: dict[str, str] = {
 _STATE = {"iteration": -1}
 
 
-def parse_faults(spec: str | None) -> dict[str, int]:
-    """``"a:3,b:5"`` -> {"a": 3, "b": 5}; an unknown point or a bad iteration is a ValueError."""
-    out: dict[str, int] = {}
+def parse_faults(spec: str | None) -> dict[str, int | None]:
+    """``"a:3,b"`` -> {"a": 3, "b": None} (None: any iteration); an unknown point or a bad
+    iteration is a ValueError."""
+    out: dict[str, int | None] = {}
     for item in (spec or "").split(","):
         item = item.strip()
         if not item:
             continue
-        name, _, it = item.partition(":")
-        if name not in POINTS:
-            raise ValueError(f"{ENV}: unknown fault point '{name}'; known: {', '.join(POINTS)}")
+        name, colon, it = item.partition(":")
+        if name not in POINTS and name not in STARTUP_POINTS:
+            raise ValueError(f"{ENV}: unknown fault point '{name}'; known: "
+                             f"{', '.join([*STARTUP_POINTS, *POINTS])}")
+        if not colon:
+            out[name] = None
+            continue
         if not it.strip().lstrip("-").isdigit():
             raise ValueError(f"{ENV}: '{item}' must look like point:iteration (e.g. during_train:2)")
         out[name] = int(it)
@@ -52,7 +63,10 @@ def set_iteration(iteration: int) -> None:
 def armed(name: str) -> bool:
     """Whether ``fault_point(name)`` would kill the process now (at the current iteration)."""
     spec = os.environ.get(ENV)
-    return bool(spec) and parse_faults(spec).get(name) == _STATE["iteration"]
+    if not spec:
+        return False
+    faults = parse_faults(spec)
+    return name in faults and faults[name] in (None, _STATE["iteration"])
 
 
 def fault_point(name: str) -> None:

@@ -127,21 +127,30 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one nested function per 
               limit: Annotated[int, typer.Option("--limit", min=1, help="flow runs at once")] = 1) -> None:
         """Start (or reuse) a Prefect server on 127.0.0.1 for HOME and serve rlake's deployments."""
         import os
+        import signal
 
         from infra.env import configure_environment
         from infra.prefect_server import ensure_server, server_info, stop_server
 
-        configure_environment(home)
-        started = server_info(home) is None
-        url = ensure_server(home, port)
-        # Prefect reads its settings once, at import: point it at the server before importing it
-        # (else it would start an embedded server of its own)
-        os.environ["PREFECT_API_URL"] = url
-        from flows.deployments import serve_forever
+        def stop(signum, frame):  # noqa: ARG001 - signal handler signature
+            raise KeyboardInterrupt
 
-        console.print(f"Prefect server: {url} ({'started' if started else 'already running'})")
+        # SIGTERM at any moment (even while the server starts) is a clean stop, exit status 0
+        signal.signal(signal.SIGTERM, stop)
+        started = False
         try:
+            configure_environment(home)
+            started = server_info(home) is None
+            url = ensure_server(home, port)
+            # Prefect reads its settings once, at import: point it at the server before
+            # importing it (else it would start an embedded server of its own)
+            os.environ["PREFECT_API_URL"] = url
+            from flows.deployments import serve_forever
+
+            console.print(f"Prefect server: {url} ({'started' if started else 'already running'})")
             serve_forever(home, url, maintenance_interval or None, limit)
+        except KeyboardInterrupt:
+            console.print("stopping")
         finally:
             if started:
                 stop_server(home)

@@ -82,14 +82,18 @@ def ensure_server(home: str | Path, port: int | None = None, startup_timeout_s: 
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + startup_timeout_s
-    while not healthy(url):
-        if proc.poll() is not None:
-            raise RuntimeError(f"prefect server exited with {proc.returncode}; see {phome / 'server.log'}")
-        if time.monotonic() > deadline:
-            stop_processes([proc.pid])
-            raise RuntimeError(f"prefect server did not answer within {startup_timeout_s:.0f} s; "
-                               f"see {phome / 'server.log'}")
-        time.sleep(0.5)
+    try:
+        while not healthy(url):
+            if proc.poll() is not None:
+                raise RuntimeError(f"prefect server exited with {proc.returncode}; "
+                                   f"see {phome / 'server.log'}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"prefect server did not answer within {startup_timeout_s:.0f} s; "
+                                   f"see {phome / 'server.log'}")
+            time.sleep(0.5)
+    except BaseException:  # a timeout, or a SIGTERM/Ctrl-C while it starts: leave no server behind
+        _stop_group(proc.pid)
+        raise
     (phome / STATE_FILE).write_text(json.dumps({"pid": proc.pid, "url": url}))
     return url
 
@@ -100,11 +104,125 @@ def stop_server(home: str | Path) -> int | None:
     if not path.exists():
         return None
     pid = int(json.loads(path.read_text())["pid"])
+    _stop_group(pid)
+    path.unlink(missing_ok=True)
+    return pid
+
+
+def _stop_group(pid: int) -> None:
+    """End a server started in its own session: the whole group (uvicorn and what it started)."""
     if pid_alive(pid):
-        try:  # its own session: end the whole group (uvicorn and anything it started)
+        try:
             os.killpg(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
         stop_processes([pid], grace_s=10.0)
-    path.unlink(missing_ok=True)
-    return pid
+
+
+class EmbeddedServer:
+    """Prefect's embedded API server for one rlake process, started before the slow part of
+    startup (model, data, MLflow store) so the two overlap, instead of on the first flow call.
+
+    The same server Prefect would start itself (uvicorn on ``create_app`` with Prefect's
+    ephemeral settings), with three differences: it starts early; it dies with this process
+    (``PR_SET_PDEATHSIG``: a kill -9 of the run leaves no server behind; ``infra.recovery``
+    still stops any that survive); and two processes on one fresh home do not create its
+    database at once (a file lock is held from spawn until it answers).
+    """
+
+    def __init__(self, home: str | Path) -> None:
+        self.phome = prefect_home(home)
+        self.proc: subprocess.Popen | None = None
+        self.url: str | None = None
+        self._lock = None
+
+    @classmethod
+    def start(cls, home: str | Path) -> EmbeddedServer | None:
+        """Spawn the server and point ``PREFECT_API_URL`` at it; None when the environment
+        already names a server (a cluster profile, a test's shared server)."""
+        if os.environ.get("PREFECT_API_URL"):
+            return None
+        server = cls(home)
+        server.phome.mkdir(parents=True, exist_ok=True)
+        if server._try_lock(blocking=False):
+            server._spawn()
+        else:  # another process is creating this home's server database: spawn once it answers
+            server.url = f"http://127.0.0.1:{free_port()}/api"
+        os.environ["PREFECT_API_URL"] = server.url
+        return server
+
+    def _try_lock(self, blocking: bool) -> bool:
+        import fcntl
+
+        self._lock = open(self.phome / ".server-start.lock", "w")  # noqa: SIM115 - held across calls
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            self._lock.close()
+            self._lock = None
+            return False
+        return True
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()  # closing the file releases the flock
+            self._lock = None
+
+    def _spawn(self) -> None:
+        import importlib.util
+
+        if self.url is None:
+            self.url = f"http://127.0.0.1:{free_port()}/api"
+        port = self.url.rsplit(":", 1)[1].split("/")[0]
+        app_dir = Path(importlib.util.find_spec("prefect").submodule_search_locations[0]).parent
+        cmd = [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory",
+               "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", port,
+               "--log-level", "error", "--lifespan", "on"]
+        env = {**os.environ, "PREFECT_HOME": str(self.phome), "PREFECT_UI_ENABLED": "0",
+               "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        env.pop("PREFECT_API_URL", None)
+        with open(self.phome / "embedded-server.log", "ab") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)  # noqa: PLW1509
+
+    def wait(self, timeout_s: float = 180.0) -> str:
+        """Block until the server answers (spawning it first if another process held the
+        lock); returns its API URL."""
+        if self.proc is None:
+            self._try_lock(blocking=True)
+            self._spawn()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not healthy(self.url, timeout_s=1.0):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"Prefect's server exited with {self.proc.returncode}; "
+                                       f"see {self.phome / 'embedded-server.log'}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"Prefect's server did not answer within {timeout_s:.0f} s; "
+                                       f"see {self.phome / 'embedded-server.log'}")
+                time.sleep(0.1)
+        finally:
+            self._release()
+        return self.url
+
+    def stop(self) -> None:
+        """End the server (SIGTERM, then SIGKILL after 5 s)."""
+        self._release()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the process that started it dies (Linux)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

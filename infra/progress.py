@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shlex
 import sys
 from pathlib import Path
@@ -51,14 +52,41 @@ class RichReporter:
             self.progress.update(self.rl_task, completed=p["iteration"] + 1, info=info)
 
 
-def run_with_progress(cfg: RunConfig, run_id: str | None, resume: bool, console: Console) -> dict:
-    from flows.rl import rl_run, set_reporter
+def _no_prefect_errors_on_console(record: logging.LogRecord) -> bool:
+    """Prefect's own error records (a failed flow's traceback): the CLI prints the error in one
+    line, and the records still reach Prefect's API (the flow run's logs)."""
+    return not (record.name.startswith("prefect") and record.levelno >= logging.ERROR)
 
-    reporter = RichReporter(console)
-    set_reporter(reporter)
-    console.print("[dim]starting Prefect's embedded server and the run (first start takes ~10-30 s)[/]")
-    with reporter.progress:
-        summary = rl_run(cfg.model_dump(), run_id=run_id, resume=resume)
+
+def quiet_prefect_errors() -> None:
+    """Keep Prefect's error tracebacks off the console (``--debug`` shows them)."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler):
+            handler.addFilter(_no_prefect_errors_on_console)
+
+
+def run_with_progress(cfg: RunConfig, run_id: str | None, resume: bool, console: Console,
+                      debug: bool = False) -> dict:
+    """Check, record and open the run (``infra.startup.prepared_run``: Prefect's server starts
+    meanwhile), then run its flow with a live display."""
+    from infra.startup import prepared_run
+
+    with prepared_run(cfg, run_id, resume) as run_id:
+        from prefect import tags
+
+        from flows.rl import rl_run, set_reporter
+        from infra.recovery import run_tag
+
+        if not debug:
+            quiet_prefect_errors()
+
+        reporter = RichReporter(console)
+        set_reporter(reporter)
+        # tagged from its creation: a kill -9 at any moment leaves a flow run resume can find
+        with reporter.progress, tags(run_tag(run_id)):
+            summary = rl_run(cfg.model_dump(), run_id=run_id, resume=resume)
     summary["accuracy"] = accuracy_before_after(summary["lake_uri"], summary["run_id"], cfg)
     return summary
 

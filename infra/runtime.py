@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import uuid
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -17,6 +15,7 @@ import torch
 from buffer import Lake
 from infra.config import RunConfig, config_from_dict
 from infra.modeling import build_tiny_model, load_tokenizer
+from infra.startup import new_run_id  # noqa: F401 - re-exported (flows.replay)
 from infra.tracking import Tracker
 from rollout.data import PromptDataset
 from rollout.engine import RolloutEngine, SamplingParams
@@ -25,10 +24,6 @@ from trainers.torch_trainer import TorchTrainer, seed_everything
 
 RUNTIMES: dict[str, Runtime] = {}
 HELD_OUT = "held_out"
-
-
-def new_run_id() -> str:
-    return datetime.now(UTC).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
 def checkpoint_name(version: int) -> str:

@@ -83,8 +83,13 @@ def _raw_rows(path: Path) -> list[tuple[str, Any]]:
     if path.suffix not in (".jsonl", ".json", ".ndjson"):
         raise ValueError(f"prompt data '{path}': unsupported format (use .jsonl or .parquet)")
     rows = []
-    with path.open() as fh:
-        for line_no, line in enumerate(fh, start=1):
+    with path.open("rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}:line {line_no}: not UTF-8 text (byte 0x{raw[err.start]:02x} "
+                                 f"at column {err.start + 1}); prompt files must be UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -104,7 +109,8 @@ def load_prompt_file(spec: str, input_key: str = "prompt", label_key: str | None
     for row, (where, raw) in indexed:
         if not isinstance(raw, dict):
             raise ValueError(f"{where}: expected a JSON object, got {type(raw).__name__}")
-        records.append(_record(where, raw, row, input_key, label_key, metadata_key, tool_key))
+        records.append({**_record(where, raw, row, input_key, label_key, metadata_key, tool_key),
+                        "where": where})
     if not records:
         raise ValueError(f"prompt data '{spec}' is empty")
     return records
@@ -151,6 +157,36 @@ def drop_long_prompts(records: list[dict], tokenizer, max_len: int | None,
             if len(tokenizer(render_prompt(tokenizer, r["prompt"], apply_chat_template, r.get("tools")),
                              add_special_tokens=False)["input_ids"]) <= max_len]
     return kept, len(records) - len(kept)
+
+
+def prompt_tokens_over(tokenizer, text: str, limit: int) -> int | None:
+    """The token count of ``text`` if it is over ``limit`` (a lower bound for a huge text), else
+    None. Cheap for short texts: a text of at most ``limit`` UTF-8 bytes cannot have more tokens
+    (every token covers at least one byte); a huge one is judged on a prefix first, so a 10 MB
+    line costs one bounded tokenizer call, not a hang."""
+    if len(text.encode("utf-8", errors="replace")) <= limit:
+        return None
+    for part in (text[:limit * 16], text):
+        n = len(tokenizer(part, add_special_tokens=False)["input_ids"])
+        if n > limit:
+            return n
+        if len(part) == len(text):
+            return None
+    return None
+
+
+def check_prompt_lengths(records: list[dict], tokenizer, limit: int, apply_chat_template: bool,
+                         source: str) -> None:
+    """A ValueError naming the file and line of the first prompt over ``limit`` tokens."""
+    for i, rec in enumerate(records):
+        text = render_prompt(tokenizer, rec["prompt"], apply_chat_template, rec.get("tools"))
+        n = prompt_tokens_over(tokenizer, text, limit)
+        if n is not None:
+            where = rec.get("where") or f"{source}: record {rec.get('row', i)}"
+            raise ValueError(f"{where}: prompt has {'at least ' if len(text) > limit * 16 else ''}"
+                             f"{n} tokens, more than data.max_prompt_tokens={limit} (default: the "
+                             "model's context less rollout_max_response_len); set "
+                             "data.rollout_max_prompt_len to skip long prompts instead")
 
 
 def next_data_position(lake, run_id: str, per_iteration: int | None = None) -> int:

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from rewards.registry import Scorer
 from rewards.tasks import load_task
-from rollout.data import PromptDataset, drop_long_prompts, load_prompt_file, next_data_position
+from rollout.data import (
+    PromptDataset,
+    check_prompt_lengths,
+    drop_long_prompts,
+    load_prompt_file,
+    next_data_position,
+)
 from rollout.evaluation import build_eval_sets
 from rollout.functions import load_configured
 from rollout.runner import Rollout
@@ -26,9 +32,28 @@ def load_run_data(cfg, tokenizer) -> tuple[PromptDataset, list[dict]]:
         raise ValueError("no prompt data: set data.prompt_data (a JSONL/Parquet file) or data.task")
     records, skipped = drop_long_prompts(records, tokenizer, d.rollout_max_prompt_len,
                                          d.apply_chat_template)
+    limit = d.max_prompt_tokens or context_limit(cfg, tokenizer)
+    if limit is not None:
+        check_prompt_lengths(records, tokenizer, limit, d.apply_chat_template, source)
     dataset = PromptDataset(records, seed=cfg.seed, shuffle=d.rollout_shuffle, source=source,
                             skipped_too_long=skipped)
     return dataset, (split.held_out if split else [])
+
+
+def context_limit(cfg, tokenizer) -> int | None:
+    """The longest prompt the model can take: max_position_embeddings - rollout_max_response_len
+    (None when the model does not say)."""
+    if cfg.model.path:
+        import json
+        from pathlib import Path
+
+        config = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        positions = config.get("max_position_embeddings")
+    else:
+        positions = cfg.model.tiny.max_position_embeddings
+    if not positions:
+        return None
+    return max(1, positions - cfg.rollout.rollout_max_response_len)
 
 
 def attach_rollout(rt) -> None:

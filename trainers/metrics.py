@@ -17,6 +17,7 @@ def rollout_metrics(samples: list[Sample], generate_seconds: float) -> dict[str,
         "rollout/reward_std": statistics.pstdev(rewards),
         "rollout/response_length_mean": statistics.fmean(lengths),
         "rollout/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples) / len(samples),
+        "rollout/failed_ratio": sum(s.status == Status.FAILED for s in samples) / len(samples),
         "rollout/tokens": float(tokens),
         "rollout/tokens_per_s": tokens / generate_seconds if generate_seconds > 0 else 0.0,
     }

@@ -1,0 +1,81 @@
+"""Startup to the first RL iteration, measured from outside through the real CLI.
+
+    python bench/startup.py [--repo PATH] [--repeats 3] [--held-out 500]
+
+A short SFT run makes a checkpoint once; then each repeat starts ``rlake run`` from it
+(``model.path``, SFT off, one RL iteration) on a fresh home and measures
+
+    startup = (start of iteration 0) - (moment the command was launched)
+
+where the start of iteration 0 is its ``train_steps`` row's ``created_at`` minus the phases it
+records before it (``timings``). ``--repo`` runs another checkout's code (e.g. the old one, for a ratio
+measured on the same machine at the same time). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]
+SMALL = ["--set", "rollout.rollout_batch_size=32", "--set", "rollout.n_samples_per_prompt=8"]
+
+
+def rlake(repo: Path, args: list[str], home: Path) -> float:
+    """Run the CLI from ``repo``; returns the launch time (epoch seconds)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PYTHONPATH=str(repo), OMP_NUM_THREADS="1", PREFECT_HOME=str(home / "prefect"))
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "infra.cli", *args], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"rlake {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return start
+
+
+def first_iteration_start(home: Path, run_id: str) -> float:
+    sys.path.insert(0, str(HERE))
+    from buffer import Lake
+
+    row = [r for r in Lake(str(home / "lake")).read("train_steps", run_id=run_id).to_pylist()
+           if r["iteration"] == 0][0]
+    return row["created_at"].replace(tzinfo=UTC).timestamp() - sum(json.loads(row["timings"]).values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repo", type=Path, default=HERE)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--held-out", type=int, default=500)
+    ap.add_argument("--sft-steps", type=int, default=30)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "sft-home"
+        rlake(args.repo, ["run", "configs/quickstart.yaml", "--run-id", "sft", "--set", f"home={base}",
+                          "--set", "num_rollout=0", "--set", f"sft.steps={args.sft_steps}",
+                          "--set", "sft.stop_at_accuracy=null",
+                          "--set", f"data.held_out_size={args.held_out}"], base)
+        ckpt = base / "runs" / "sft" / "checkpoints" / "v000000"
+        startups = []
+        for i in range(args.repeats):
+            home = Path(tmp) / f"home{i}"
+            launched = rlake(args.repo, [
+                "run", "configs/quickstart.yaml", "--run-id", f"rl{i}", "--set", f"home={home}",
+                "--set", f"model.path={ckpt}", "--set", "sft.enabled=false", "--set", "num_rollout=1",
+                "--set", f"data.held_out_size={args.held_out}", *SMALL], home)
+            startups.append(first_iteration_start(home, f"rl{i}") - launched)
+    print(json.dumps({"repo": str(args.repo), "startup_s": [round(s, 2) for s in startups],
+                      "median_startup_s": round(statistics.median(startups), 2),
+                      "note": "fresh home each repeat; includes the initial held-out evaluation"}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""What ``rlake run`` / ``rlake resume`` do before the first flow, in an order that is cheap to
+fail and safe to kill:
+
+    check(cfg)                   config, files, paths: seconds, before anything slow starts
+    refuse_existing / load_row   a run id names one run forever (run) / must exist (resume)
+    record_run                   the runs row (status running) first: a kill -9 from here on
+                                 leaves a run `rlake resume` continues
+    PrefectServer.start          Prefect's API server starts in its own process ...
+    open_runtime                 ... while this one builds the model, data, MLflow store
+    PrefectServer.wait           then the first flow runs
+
+Nothing here imports Prefect: its settings are read when it is first imported, after the
+server's URL is in the environment.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+
+from infra.config import RunConfig, config_from_dict
+from infra.faults import fault_point
+
+DEFAULT_HOME = "./rlake-home"
+
+
+class StartupError(ValueError):
+    """A run cannot start: one line naming the key, file or path and what is allowed."""
+
+
+def _writable_dir(path: Path, key: str) -> None:
+    """Create ``path`` if needed and write a probe file in it; errors name ``key`` and the path."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+            pass
+    except OSError as err:
+        raise StartupError(f"{key} '{path}': {describe_os_error(err)}") from None
+
+
+def describe_os_error(err: OSError) -> str:
+    """``err`` as a short reason; a full disk says so (and where)."""
+    if err.errno == errno.ENOSPC:
+        return f"no space left on device{f' (writing {err.filename})' if err.filename else ''}"
+    return err.strerror or str(err)
+
+
+def check_lake_uri(cfg: RunConfig) -> None:
+    """A local lake folder must be a folder we can write; a remote URI's scheme must be one the
+    lake knows (its credentials are checked on first use, where errors name ``lake_uri``)."""
+    uri = cfg.resolved_lake_uri
+    scheme, sep, rest = uri.partition("://")
+    if sep and scheme not in ("file", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"):
+        raise StartupError(f"lake_uri '{uri}': unknown scheme '{scheme}://' "
+                           "(use a folder, file://, s3://, gs:// or az://)")
+    if sep and scheme != "file":
+        return
+    path = Path(rest if sep else uri)
+    if path.exists() and not path.is_dir():
+        raise StartupError(f"lake_uri '{uri}': is a file, not a folder")
+    _writable_dir(path, "lake_uri")
+
+
+def check_data(cfg: RunConfig) -> None:
+    """Read every configured data file once (format, encoding, keys): errors name file and line."""
+    from rollout.data import load_prompt_file
+
+    d = cfg.data
+    if d.prompt_data:
+        load_prompt_file(d.prompt_data, d.input_key, d.label_key, d.metadata_key, d.tool_key)
+    elif d.task is None:
+        raise StartupError("no prompt data: set data.prompt_data (a JSONL/Parquet file) or data.task")
+    for ds in cfg.eval.datasets:
+        if ds.path:
+            load_prompt_file(ds.path, ds.input_key or d.input_key, ds.label_key or d.label_key,
+                             ds.metadata_key or d.metadata_key)
+
+
+def check(cfg: RunConfig) -> None:
+    """Everything about ``cfg`` that can be checked in seconds, before anything slow starts."""
+    _writable_dir(Path(cfg.home), "home")
+    check_lake_uri(cfg)
+    if cfg.model.path and not (Path(cfg.model.path) / "config.json").exists():
+        raise StartupError(f"model.path '{cfg.model.path}' is not an HF model folder (no config.json)")
+    check_data(cfg)
+
+
+def open_lake(cfg: RunConfig):
+    """The run's lake; a failure to open or read it names ``lake_uri``."""
+    from buffer import Lake
+
+    return Lake(cfg.resolved_lake_uri, cfg.storage_options or None)
+
+
+def get_run_row(lake, cfg: RunConfig, run_id: str) -> dict | None:
+    try:
+        return lake.get_run(run_id)
+    except OSError as err:
+        raise StartupError(f"lake_uri '{cfg.resolved_lake_uri}': {describe_os_error(err)}") from None
+    except Exception as err:  # noqa: BLE001 - deltalake raises its own error types
+        raise StartupError(f"lake_uri '{cfg.resolved_lake_uri}': cannot read the lake: "
+                           f"{str(err).splitlines()[0]}") from None
+
+
+def resume_command(run_id: str, cfg: RunConfig) -> str:
+    """The command that continues ``run_id`` (the options it needs, no more)."""
+    cmd = f"rlake resume {run_id}"
+    if cfg.home != DEFAULT_HOME:
+        cmd += f" --home {cfg.home}"
+    if cfg.lake_uri:
+        cmd += f" --lake {cfg.lake_uri}"
+    return cmd
+
+
+def refuse_existing(lake, cfg: RunConfig, run_id: str) -> None:
+    """A run id names one run forever: a new run with an id the lake (or the home) already holds
+    is refused before anything of it is touched."""
+    row = get_run_row(lake, cfg, run_id)
+    run_dir = Path(cfg.home) / "runs" / run_id
+    if row is None and not (run_dir / "checkpoints").exists():
+        return
+    what = f"status {row['status']}" if row else "a run folder without a runs row"
+    raise StartupError(f"run '{run_id}' already exists ({what}); a run id names one run: continue "
+                       f"it with `{resume_command(run_id, cfg)}`, or start a new run with another id")
+
+
+def load_row(lake, cfg: RunConfig, run_id: str) -> dict:
+    row = get_run_row(lake, cfg, run_id)
+    if row is None:
+        raise StartupError(f"no run '{run_id}' in the lake at {cfg.resolved_lake_uri} "
+                           "(`rlake status` lists the runs)")
+    return row
+
+
+def record_run(lake, cfg: RunConfig, run_id: str) -> None:
+    """The runs row, status running, before anything slow: from here a kill -9 leaves a run
+    that ``rlake resume`` continues (it reads the config from this row)."""
+    now = datetime.now(UTC)
+    try:
+        lake.upsert_run({"run_id": run_id, "config": cfg.model_dump_json(), "status": "running",
+                         "created_at": now, "updated_at": now,
+                         "notes": json.dumps({"pid": os.getpid()})})
+    except OSError as err:
+        raise StartupError(f"lake_uri '{cfg.resolved_lake_uri}': {describe_os_error(err)}") from None
+
+
+def mark_failed(lake, run_id: str) -> None:
+    """A run that failed before its pipeline started (which marks failures itself)."""
+    try:
+        lake.upsert_run({"run_id": run_id, "status": "failed", "updated_at": datetime.now(UTC)})
+    except Exception:  # noqa: BLE001 - best effort: the original error is what the user needs
+        pass
+
+
+def new_run_id() -> str:
+    return datetime.now(UTC).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+@contextmanager
+def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool) -> Iterator[str]:
+    """Everything before the first flow, in the order of the module docstring; yields the run
+    id with its runtime open (``infra.runtime.RUNTIMES``) and Prefect's server answering. On the
+    way out the server is stopped and a runtime the pipeline never took is closed."""
+    from infra.env import set_environment
+    from infra.prefect_server import EmbeddedServer
+    from infra.recovery import claim_run, release_run
+
+    home = set_environment(cfg.home, cfg.torch_threads)
+    check(cfg)
+    lake = open_lake(cfg)
+    if resume:
+        row = load_row(lake, cfg, run_id)
+        check_data(config_from_dict(json.loads(row["config"])))
+    else:
+        run_id = run_id or cfg.run_id or new_run_id()
+        refuse_existing(lake, cfg, run_id)
+    run_dir = home / "runs" / run_id
+    claim_run(run_dir)  # a live owner from the start: `rlake status` does not call it interrupted
+    server = None
+    try:
+        if not resume:
+            record_run(lake, cfg, run_id)
+            fault_point("after_run_recorded")
+        server = EmbeddedServer.start(cfg.home)
+        from infra.env import configure_environment
+        from infra.runtime import open_runtime
+
+        configure_environment(cfg.home, cfg.torch_threads)
+        try:
+            open_runtime(cfg, run_id, resume)
+        except BaseException:
+            if not resume:
+                mark_failed(lake, run_id)
+            raise
+        import flows.rl  # noqa: F401 - Prefect's client side imports while its server starts
+
+        fault_point("before_first_flow")
+        if server is not None:
+            server.wait()
+        yield run_id
+    finally:
+        _close_unused_runtime(run_id)
+        release_run(run_dir)
+        if server is not None:
+            server.stop()
+
+
+def _close_unused_runtime(run_id: str) -> None:
+    import sys
+
+    runtime = sys.modules.get("infra.runtime")
+    if runtime is not None and run_id in runtime.RUNTIMES:
+        from flows.durability import close_runtime
+
+        close_runtime(runtime.RUNTIMES[run_id])

@@ -1,0 +1,176 @@
+"""Hostile input to `rlake run` (issue 16.8, 16.9) through the real CLI: each fails with one
+`error:` line naming the file and line or the config key, non-zero, no traceback; a run whose
+rewards all fail warns each iteration and stops. Plus the MLflow logging that moved off the
+iteration's path (batched, on a background thread) losing nothing on a clean stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.opshelp import ROOT, TINY, cli_env, rlake, tail
+
+NO_SFT = [*TINY, "--set", "sft.enabled=false", "--set", "eval.eval_interval=100"]
+
+
+def _run(tmp_path: Path, name: str, *extra: str, timeout: float = 600) -> tuple[int, str, list[str]]:
+    log = tmp_path / f"{name}.log"
+    args = ["run", "--set", f"home={tmp_path / 'home'}", "--set", f"run_id={name}", *NO_SFT, *extra]
+    proc = rlake(args, cli_env(None, COLUMNS="1000"), log, timeout=timeout)
+    text = log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    return proc.returncode, text, [line for line in text.splitlines() if line.startswith("error:")]
+
+
+def test_non_utf8_prompt_file_names_file_and_line(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_bytes(b'{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2\xff=", "label": "4"}\n')
+    rc, _, errors = _run(tmp_path, "utf8", "--set", f"data.prompt_data={data}", timeout=300)
+    assert rc == 1
+    (line,) = errors
+    assert f"{data}:line 2: not UTF-8 text (byte 0xff at column 16)" in line
+
+
+def test_huge_prompt_is_an_error_not_a_hang(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "1+1=", "label": "2"}, {"prompt": "9" * 10_000_000 + "+1=", "label": "0"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # the hang guard: before the fix SFT ran on the 10 MB prompt for minutes with no error
+    rc, _, errors = _run(tmp_path, "huge", "--set", f"data.prompt_data={data}",
+                         "--set", "sft.enabled=true", timeout=400)
+    assert rc == 1
+    (line,) = errors
+    assert f"{data}:line 2: prompt has" in line and "data.max_prompt_tokens=58" in line
+
+
+def test_max_prompt_tokens_is_configurable(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "12+34=", "label": "46"}) + "\n")
+    rc, _, errors = _run(tmp_path, "short", "--set", f"data.prompt_data={data}",
+                         "--set", "data.max_prompt_tokens=3", timeout=400)
+    assert rc == 1
+    assert f"{data}:line 1: prompt has 6 tokens, more than data.max_prompt_tokens=3" in errors[0]
+
+
+@pytest.mark.parametrize("uri, expected", [
+    ("file", "lake_uri '{uri}': is a file, not a folder"),
+    ("ftp://host/lake", "lake_uri 'ftp://host/lake': unknown scheme 'ftp://'"),
+])
+def test_bad_lake_uri_names_the_key(tmp_path, uri, expected):
+    if uri == "file":
+        uri = str(tmp_path / "a-file")
+        Path(uri).write_text("not a lake")
+    rc, _, errors = _run(tmp_path, "lake", "--set", f"lake_uri={uri}", timeout=300)
+    assert rc == 1
+    assert expected.format(uri=uri) in errors[0]
+    assert not (tmp_path / "home" / "prefect" / "prefect.db").exists()
+
+
+def test_disk_full_error_names_the_path():
+    """ENOSPC from a real device (/dev/full), as the startup reports it."""
+    from infra.startup import describe_os_error
+
+    try:
+        with open("/dev/full", "w") as fh:
+            fh.write("x")
+            fh.flush()
+    except OSError as err:
+        err.filename = err.filename or "/dev/full"
+        assert describe_os_error(err) == "no space left on device (writing /dev/full)"
+    else:
+        pytest.fail("/dev/full accepted a write")
+
+
+def test_run_whose_rewards_all_fail_warns_and_stops(tmp_path):
+    rc, text, errors = _run(tmp_path, "nor", "--set", "num_rollout=6",
+                            "--set", "rollout.custom_rm_path=tests.test_hardening_run:broken_reward",
+                            "--set", "rollout.max_failed_reward_iterations=2")
+    assert rc == 1, text[-3000:]
+    warnings = [line for line in text.splitlines() if "the reward failed for every sample" in line
+                and "warning" in line]
+    assert len(warnings) == 2, text[-3000:]
+    (line,) = errors
+    assert "in 2 consecutive iterations" in line and "rollout.max_failed_reward_iterations=2" in line
+    from buffer import Lake
+
+    lake = Lake(str(tmp_path / "home" / "lake"))
+    assert lake.get_run("nor")["status"] == "failed"
+    assert sorted(s["iteration"] for s in lake.read("train_steps", run_id="nor").to_pylist()) == [0, 1]
+    # the failure path closed the MLflow run and the flow run
+    from tests.test_startup import _flow_run_states, _mlflow_runs
+
+    assert [s for _, s in _mlflow_runs(tmp_path / "home", "nor")] == ["FAILED"]
+    states = [s for _, s in _flow_run_states(tmp_path / "home")]
+    assert "FAILED" in states and "RUNNING" not in states, states
+
+
+def broken_reward(cfg, sample) -> float:  # noqa: ARG001 - custom_rm_path signature
+    raise RuntimeError("reward service down")
+
+
+@pytest.mark.parametrize("when", ["starting", "serving"])
+def test_serve_on_sigterm_exits_cleanly(tmp_path, when):
+    """SIGTERM while the Prefect server starts, or once it serves: exit 0, no traceback, no
+    server left behind."""
+    from infra.recovery import pid_alive
+
+    home = tmp_path / "home"
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "serve", "--home", str(home)],
+                                cwd=ROOT, env=cli_env(None), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        ready = (lambda: (home / "prefect" / "server.log").exists()) if when == "starting" else \
+            (lambda: "Prefect server:" in log.read_text())
+        deadline = time.monotonic() + 300
+        while not ready():
+            assert proc.poll() is None, tail(log)
+            assert time.monotonic() < deadline, f"serve did not get there: {tail(log)}"
+            time.sleep(0.2)
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, tail(log)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "Traceback" not in log.read_text(), tail(log)
+    servers = [p for p in _server_pids(home) if pid_alive(p)]
+    assert servers == [], f"server processes left: {servers}"
+
+
+def _server_pids(home: Path) -> list[int]:
+    """`prefect server start` processes (and their uvicorn) of ``home``."""
+    from tests.opshelp import pids_with_env
+
+    return pids_with_env("PREFECT_HOME", str(home / "prefect"))
+
+
+def test_tracker_batches_in_background_and_flushes(tmp_path):
+    """Real MLflow SQLite: metrics of many steps queued without waiting, all there after
+    ``finish``; a failing queued call is raised by the next flush, not lost."""
+    from infra.tracking import Tracker
+
+    tracker = Tracker(tmp_path)
+    run_id = tracker.start("t", params={"a": "1"}, tags={"rlake.run_id": "t"})
+    for step in range(50):
+        tracker.log_metrics({"x": float(step), "y": 2.0 * step, "none": None}, step)
+    tracker.defer(lambda: (_ for _ in ()).throw(ValueError("boom")))
+    with pytest.raises(RuntimeError, match="MLflow logging failed: boom"):
+        tracker.flush()
+    tracker.log_metrics({"x": 50.0}, 50)
+    tracker.finish("FINISHED")
+    history = tracker.client.get_metric_history(run_id, "x")
+    assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in range(51)]
+    assert len(tracker.client.get_metric_history(run_id, "y")) == 50
+    assert tracker.client.get_run(run_id).info.status == "FINISHED"
+    # a process killed before it recorded the MLflow run's id: the run is found by its tag
+    again = Tracker(tmp_path)
+    assert again.start("t", params={}, tags={"rlake.run_id": "t"}) == run_id

@@ -1,0 +1,159 @@
+"""Startup through the real CLI (issue 16.1, 16.3, 16.4, 16.8): an existing run id is refused
+before anything of it changes; a kill -9 in the first seconds leaves a run `rlake resume`
+finishes, with nothing left RUNNING; two first runs on one fresh home both finish; a bad prompt
+file fails before Prefect starts, in one line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import sqlite3
+import time
+from pathlib import Path
+
+from infra.recovery import prefect_servers
+from tests.opshelp import TINY, cli_env, rlake, tail
+
+FAST = [*TINY, "--set", "num_rollout=1", "--set", "eval.eval_interval=1"]
+
+
+def _args(home: Path, run_id: str, *extra: str) -> list[str]:
+    return ["run", "--set", f"home={home}", "--set", f"run_id={run_id}", *FAST, *extra]
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _mlflow_runs(home: Path, run_id: str) -> list[tuple[str, str]]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{home}/mlflow/mlflow.db")
+    exp = client.get_experiment_by_name("rlake")
+    return sorted((r.info.run_id, r.info.status) for r in
+                  client.search_runs([exp.experiment_id], f"tags.`rlake.run_id` = '{run_id}'"))
+
+
+def _flow_run_states(home: Path) -> list[tuple[str, str]]:
+    """(tags, state) of every flow run in the home's Prefect database (read directly: the
+    server that wrote it is gone)."""
+    with sqlite3.connect(home / "prefect" / "prefect.db") as con:
+        return con.execute("SELECT tags, state_type FROM flow_run").fetchall()
+
+
+def _error_lines(log: Path) -> list[str]:
+    text = log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+def _no_server_left(home: Path) -> None:
+    deadline = time.monotonic() + 30
+    while prefect_servers(home / "prefect") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert prefect_servers(home / "prefect") == [], "a Prefect server outlived its run"
+
+
+def test_existing_run_id_is_refused_before_anything_changes(tmp_path):
+    from buffer import Lake
+
+    home = tmp_path / "home"
+    first = rlake(_args(home, "once"), cli_env(None), tmp_path / "first.log")
+    assert first.returncode == 0, tail(tmp_path / "first.log")
+    lake = Lake(str(home / "lake"))
+    row = lake.get_run("once")
+    checkpoints = _digest(home / "runs" / "once" / "checkpoints")
+    assert "v000000/config.json" in checkpoints
+    mlflow_runs = _mlflow_runs(home, "once")
+    assert [s for _, s in mlflow_runs] == ["FINISHED"]
+    for i, args in enumerate((_args(home, "once"),
+                              ["run", "--run-id", "once", "--set", f"home={home}", *FAST])):
+        log = tmp_path / f"again-{i}.log"
+        again = rlake(args, cli_env(None), log)
+        assert again.returncode == 1, tail(log)
+        (line,) = _error_lines(log)
+        assert "run 'once' already exists (status completed)" in line
+        assert f"rlake resume once --home {home}" in line
+    assert lake.get_run("once") == row, "the runs row changed"
+    assert _digest(home / "runs" / "once" / "checkpoints") == checkpoints, "checkpoints changed"
+    assert _mlflow_runs(home, "once") == mlflow_runs, "MLflow runs changed"
+
+
+def test_kill9_in_the_first_seconds_then_resume_finishes(tmp_path):
+    from buffer import Lake
+
+    home = tmp_path / "home"
+    # 1. killed right after the run is recorded: nothing else exists yet
+    log = tmp_path / "crash-0.log"
+    proc = rlake(_args(home, "early"), cli_env(None, RLAKE_FAULT="after_run_recorded"), log)
+    assert proc.returncode == -signal.SIGKILL, tail(log)
+    row = Lake(str(home / "lake")).get_run("early")
+    assert row is not None and row["status"] == "running", "the run was not recorded first"
+    assert json.loads(row["config"])["num_rollout"] == 1
+    # 2. resumed, killed once the runtime is open and Prefect's server answers: the server
+    #    must not outlive the process
+    log = tmp_path / "crash-1.log"
+    proc = rlake(["resume", "early", "--home", str(home)],
+                 cli_env(None, RLAKE_FAULT="before_first_flow"), log)
+    assert proc.returncode == -signal.SIGKILL, tail(log)
+    _no_server_left(home)
+    # 3. resumed, killed inside the first iteration: flow runs and the MLflow run are RUNNING
+    log = tmp_path / "crash-2.log"
+    proc = rlake(["resume", "early", "--home", str(home)],
+                 cli_env(None, RLAKE_FAULT="during_generate:0"), log)
+    assert proc.returncode == -signal.SIGKILL, tail(log)
+    _no_server_left(home)
+    assert [s for _, s in _mlflow_runs(home, "early")] == ["RUNNING"]
+    assert "RUNNING" in {s for _, s in _flow_run_states(home)}
+    # 4. the final resume finishes and leaves nothing RUNNING
+    log = tmp_path / "final.log"
+    done = rlake(["resume", "early", "--home", str(home)], cli_env(None), log)
+    assert done.returncode == 0, tail(log)
+    assert Lake(str(home / "lake")).get_run("early")["status"] == "completed"
+    assert [s for _, s in _mlflow_runs(home, "early")] == ["FINISHED"], "one MLflow run, continued"
+    states = _flow_run_states(home)
+    assert all("rlake-run:early" in tags for tags, _ in states), states
+    assert not [s for _, s in states if s in ("RUNNING", "PENDING")], states
+    assert [s for _, s in states].count("CRASHED") >= 2, states
+    _no_server_left(home)
+
+
+def test_two_first_runs_on_a_fresh_home_both_finish(tmp_path):
+    home = tmp_path / "home"  # does not exist yet: both create the lake, MLflow and Prefect DBs
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    procs = [rlake(_args(home, name), cli_env(None), log, background=True)
+             for name, log in zip(("a", "b"), logs, strict=True)]
+    for proc, log in zip(procs, logs, strict=True):
+        assert proc.wait(timeout=1200) == 0, tail(log)
+    for name in ("a", "b"):
+        assert [s for _, s in _mlflow_runs(home, name)] == ["FINISHED"]
+    _no_server_left(home)
+
+
+def test_bad_prompt_file_fails_before_prefect_starts(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n\n{"prompt": "2+2=", "label": \n')
+    home = tmp_path / "home"
+    log = tmp_path / "bad.log"
+    proc = rlake(_args(home, "bad", "--set", f"data.prompt_data={data}"), cli_env(None), log,
+                 timeout=300)
+    assert proc.returncode == 1, tail(log)
+    (line,) = _error_lines(log)
+    assert f"{data}:line 3: malformed JSON" in line
+    # nothing slow started: no Prefect database or server, no MLflow store, no run recorded
+    assert not (home / "prefect" / "prefect.db").exists()
+    assert not (home / "prefect" / "embedded-server.log").exists()
+    assert not (home / "mlflow").exists()
+    assert not (home / "lake" / "runs").exists()
+
+
+def test_resume_of_an_unknown_run_is_one_line(tmp_path):
+    log = tmp_path / "resume.log"
+    proc = rlake(["resume", "nosuchrun", "--home", str(tmp_path / "home")], cli_env(None), log,
+                 timeout=300)
+    assert proc.returncode == 1, tail(log)
+    (line,) = _error_lines(log)
+    assert "no run 'nosuchrun' in the lake" in line
+    assert not (tmp_path / "home" / "prefect" / "prefect.db").exists()
