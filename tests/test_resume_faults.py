@@ -25,7 +25,9 @@ from tests.opshelp import TINY, cli_env, rlake, tail
 
 N_ITER = len(POINTS) + 1
 EVAL_INTERVAL = len(POINTS)  # evals after the during_mlflow_log crash's iteration and the last
-REUSE_AT = list(POINTS).index("after_lake_append")
+# crashes between the trajectories' commit and the train_steps row's: the next process trains
+# on the recorded samples of that iteration (reuse) instead of generating them again
+REUSING = list(POINTS)[list(POINTS).index("after_lake_append"):list(POINTS).index("during_mlflow_log")]
 # the tiny model never gets an addition right: with a 0/1 reward every advantage would be 0 and
 # the weights would move by weight decay alone, whatever the data; a length reward makes the
 # final weights depend on every trajectory
@@ -138,15 +140,16 @@ def test_kill9_at_every_point_then_resume(shared, tmp_path):
             assert shown.returncode == 0 and "status: interrupted" in tail(home / "status.log")
         else:
             assert not [p for p in orphans if pid_alive(p)], "resume left the orphaned server running"
-    done = rlake(["resume", "chain", "--home", str(home)], cli_env(url), home / "final.log")
+    done = rlake(["resume", "chain", "--home", str(home)], cli_env(url, COLUMNS="200"), home / "final.log")
     assert done.returncode == 0, tail(home / "final.log")
-    # reuse, not regeneration: only the resume after after_lake_append printed the reuse report
-    # (rl_iteration skips generate_rollouts in that branch alone); a crash before the commit of
-    # the rows (during_generate, during_lake_append) leaves nothing to reuse
-    reused = {k: "reusing its" in (home / f"crash-{k}.log").read_text() for k in range(1, len(POINTS))}
-    assert reused == {k: k == REUSE_AT + 1 for k in reused}, reused
-    assert (f"iteration {REUSE_AT}: reusing its 16 samples already in the lake (no generation)"
-            in (home / f"crash-{REUSE_AT + 1}.log").read_text())
+    # reuse, not regeneration: process k (resuming crash k-1, in iteration k-1) printed the reuse
+    # report (rl_iteration skips generate_rollouts in that branch alone) exactly when crash k-1
+    # came after the rows' commit and before the step's; during_generate and during_lake_append
+    # leave nothing to reuse, during_mlflow_log a committed step
+    logs = [home / f"crash-{k}.log" for k in range(1, len(POINTS))] + [home / "final.log"]
+    for point, (k, log) in zip(POINTS, enumerate(logs), strict=True):
+        line = f"iteration {k}: reusing its 16 samples already in the lake (no generation)"
+        assert (line in log.read_text()) == (point in REUSING), (point, tail(log))
     assert ref.wait(timeout=900) == 0, tail(ref_log)
     assert prefect_servers(home / "prefect") == [], "a Prefect server process was left behind"
 

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from buffer import Lake
+from buffer.lake import trajectory_guard
 from infra.prefect_server import ensure_server, stop_server
 from rollout.context import ROLLOUT_STATS_KEY
 from tests.opshelp import TINY, cli_env, rlake, tail
@@ -121,7 +122,7 @@ def test_resume_reuses_recorded_samples_with_dynamic_partial_staleness(shared, t
 def _strip_rollout_stats(lake_dir: Path, run_id: str, iteration: int) -> None:
     """Rewrite the trajectories commit of (run_id, iteration) without its rollout stats, as
     rows written before the stats were committed with them would be."""
-    guard = f"trajectories/{run_id}/{iteration}"
+    guard = trajectory_guard(run_id, iteration)
     stripped = 0
     for commit in sorted((lake_dir / "trajectories" / "_delta_log").glob("*.json")):
         lines = commit.read_text().splitlines()
