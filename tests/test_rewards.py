@@ -314,3 +314,32 @@ def test_resume_over_a_lake_holding_inf_rewards(tmp_path):
     assert [s["iteration"] for s in steps] == [0]
     assert lake.get_run("inf")["status"] == "completed"
     assert "iteration 0: reusing its 16 samples already in the lake" in tail(tmp_path / "resume.log")
+
+
+def crash_reward(cfg, sample):
+    """custom_rm_path shape: the worker process dies on "exit", a value that cannot be sent back
+    on "unsendable", prints (to the worker's stdout, which must not break the replies) else."""
+    import os
+
+    if sample.response == "exit":
+        os._exit(3)
+    if sample.response == "unsendable":
+        return {"score": 1.0, "fn": lambda: 0}
+    print("noise on stdout", flush=True)
+    return 0.5
+
+
+def test_reward_worker_crash_and_unsendable_value_fail_only_their_sample():
+    scorer = Scorer(rm_type="exact", custom_rm_path="tests.test_rewards:crash_reward",
+                    timeout_s=60.0, max_workers=2)
+    try:
+        samples = [_sample("exit"), _sample("unsendable"), *[_sample(str(i)) for i in range(4)]]
+        assert score_samples(samples, scorer) == 2
+        assert samples[0].reward_detail["error"] == "reward worker died (exit code 3)"
+        assert samples[1].reward_detail["error"].startswith("reward value cannot be sent back")
+        assert [s.reward for s in samples[2:]] == [0.5] * 4
+        assert scorer.workers.replaced == 1
+    finally:
+        scorer.close()
+    with pytest.raises(ValueError, match="custom_rm_path 'tests.test_rewards:nope' cannot be loaded"):
+        Scorer(custom_rm_path="tests.test_rewards:nope")
