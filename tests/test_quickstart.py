@@ -43,7 +43,7 @@ def test_cli_prints_summary(quickstart):
     out = quickstart["proc"].stdout
     assert "held-out greedy accuracy" in out
     assert f"rlake status {RUN_ID}" in out
-    assert "mlflow ui --backend-store-uri" in out
+    assert "ui mlflow --home" in out and "ui prefect --home" in out
 
 
 def test_lake_holds_exactly_iterations_times_samples(quickstart):

@@ -260,12 +260,24 @@ def test_busy_looping_custom_reward_is_killed_and_its_worker_replaced(tmp_path):
     assert workers and not any(_pid_alive(p) for p in workers)
 
 
-def _seed_inf(lake_uri: str, predicate: str) -> None:
-    """Rewrite the reward of the rows matching ``predicate`` to +inf, as an older rlake wrote it."""
+def _seed_inf(lake, run_id: str, iteration: int, indices: set[int]) -> None:
+    """Rewrite (run_id, iteration)'s trajectories with reward +inf at ``indices``, as an older
+    rlake wrote them: delete the iteration's rows, append them again through the lake (with the
+    same rollout stats in the commit). A deltalake UPDATE would rewrite the file with string_view
+    columns, which the lake's slice filter cannot compare: not what an rlake lake holds."""
     import deltalake
 
-    deltalake.DeltaTable(f"{lake_uri}/trajectories").update(
-        predicate=predicate, updates={"reward": "CAST('inf' AS DOUBLE)"})
+    from rollout.context import ROLLOUT_STATS_KEY
+
+    info = lake.trajectory_commit_info(run_id, iteration) or {}
+    rows = [r for r in lake.read("trajectories", run_id=run_id).to_pylist() if r["iteration"] == iteration]
+    for r in rows:
+        if r["kind"] == "train" and r["sample_index"] in indices:
+            r["reward"] = math.inf
+    deltalake.DeltaTable(f"{lake.uri}/trajectories").delete(
+        f"run_id = '{run_id}' AND iteration = {iteration}")
+    kept = {k: info[k] for k in (ROLLOUT_STATS_KEY,) if k in info}
+    lake.append_trajectories(rows, commit_info=kept or None)
 
 
 def test_lake_rows_with_inf_rewards_read_back_as_failed_and_train(tmp_path):
@@ -277,7 +289,7 @@ def test_lake_rows_with_inf_rewards_read_back_as_failed_and_train(tmp_path):
 
     lake = Lake(str(tmp_path / "lake"))
     lake.append_trajectories(synthetic_rows("r", 0, 8, prompt_len=4, response_len=3, seed=1))
-    _seed_inf(lake.uri, "sample_index IN (1, 5)")
+    _seed_inf(lake, "r", 0, {1, 5})
     rows = lake.training_slice("r", 0, 0)
     assert sorted(rows.column("reward").to_pylist())[-2:] == [math.inf, math.inf]
     samples = [Sample.from_row(r) for r in rows.to_pylist()]
@@ -307,10 +319,40 @@ def test_resume_over_a_lake_holding_inf_rewards(tmp_path):
     assert killed.returncode != 0, tail(tmp_path / "run.log")
     lake = Lake(str(home / "lake"))
     assert lake.read("train_steps", run_id="inf").num_rows == 0, tail(tmp_path / "run.log")
-    _seed_inf(lake.uri, "run_id = 'inf' AND iteration = 0 AND sample_index < 4")
+    _seed_inf(lake, "inf", 0, {0, 1, 2, 3})
+    assert sum(r == math.inf for r in lake.read("trajectories", run_id="inf").column("reward").to_pylist()) == 4
     resumed = rlake(["resume", "inf", "--home", str(home)], cli_env(None), tmp_path / "resume.log")
     assert resumed.returncode == 0, tail(tmp_path / "resume.log")
     steps = lake.read("train_steps", run_id="inf").to_pylist()
     assert [s["iteration"] for s in steps] == [0]
     assert lake.get_run("inf")["status"] == "completed"
     assert "iteration 0: reusing its 16 samples already in the lake" in tail(tmp_path / "resume.log")
+
+
+def crash_reward(cfg, sample):
+    """custom_rm_path shape: the worker process dies on "exit", a value that cannot be sent back
+    on "unsendable", prints (to the worker's stdout, which must not break the replies) else."""
+    import os
+
+    if sample.response == "exit":
+        os._exit(3)
+    if sample.response == "unsendable":
+        return {"score": 1.0, "fn": lambda: 0}
+    print("noise on stdout", flush=True)
+    return 0.5
+
+
+def test_reward_worker_crash_and_unsendable_value_fail_only_their_sample():
+    scorer = Scorer(rm_type="exact", custom_rm_path="tests.test_rewards:crash_reward",
+                    timeout_s=60.0, max_workers=2)
+    try:
+        samples = [_sample("exit"), _sample("unsendable"), *[_sample(str(i)) for i in range(4)]]
+        assert score_samples(samples, scorer) == 2
+        assert samples[0].reward_detail["error"] == "reward worker died (exit code 3)"
+        assert samples[1].reward_detail["error"].startswith("reward value cannot be sent back")
+        assert [s.reward for s in samples[2:]] == [0.5] * 4
+        assert scorer.workers.replaced == 1
+    finally:
+        scorer.close()
+    with pytest.raises(ValueError, match="custom_rm_path 'tests.test_rewards:nope' cannot be loaded"):
+        Scorer(custom_rm_path="tests.test_rewards:nope")
