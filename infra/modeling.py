@@ -72,6 +72,12 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return dtype
 
 
+def placement(device: str, dtype: str) -> tuple[str, str]:
+    """(device, dtype) resolved from the config's ``device`` and ``dtype``."""
+    resolved = resolve_device(device)
+    return resolved, resolve_dtype(dtype, resolved)
+
+
 def attention_for(device: str) -> str:
     """eager on CPU (deterministic, identical in trainer and engine), sdpa on CUDA (fused)."""
     return "sdpa" if device == "cuda" else "eager"

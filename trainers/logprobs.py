@@ -19,9 +19,15 @@ import torch
 from torch import Tensor
 
 
+def _acc_dtype(h: Tensor) -> torch.dtype:
+    """fp32 accumulation (fp64 for fp64 inputs): bf16 sums over 152k ids would be too coarse."""
+    return torch.promote_types(h.dtype, torch.float32)
+
+
 def _chunk_logits(h: Tensor, w: Tensor, start: int, end: int, temperature: float) -> Tensor:
-    """z[:, start:end] = h W[start:end]^T / T in fp32 (the matmul in h's dtype, or autocast's)."""
-    return (h @ w[start:end].t()).float() / temperature
+    """z[:, start:end] = h W[start:end]^T / T in the accumulation dtype (the matmul itself in
+    h's dtype, or autocast's)."""
+    return (h @ w[start:end].t()).to(_acc_dtype(h)) / temperature
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -32,10 +38,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def forward(ctx, h: Tensor, w: Tensor, targets: Tensor, temperature: float,
                 chunk: int) -> tuple[Tensor, Tensor]:
         n, vocab = h.shape[0], w.shape[0]
-        m = torch.full((n,), float("-inf"), device=h.device)
-        s = torch.zeros(n, device=h.device)
-        sz = torch.zeros(n, device=h.device)
-        zy = torch.zeros(n, device=h.device)
+        acc = _acc_dtype(h)
+        m = torch.full((n,), float("-inf"), device=h.device, dtype=acc)
+        s = torch.zeros(n, device=h.device, dtype=acc)
+        sz = torch.zeros(n, device=h.device, dtype=acc)
+        zy = torch.zeros(n, device=h.device, dtype=acc)
         rows = torch.arange(n, device=h.device)
         for start in range(0, vocab, chunk):
             end = min(start + chunk, vocab)
@@ -62,8 +69,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
         h, w, targets, lse, mu = ctx.saved_tensors
         temperature, chunk = ctx.temperature, ctx.chunk
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_h else None
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
+        acc = _acc_dtype(h)
+        grad_h = torch.zeros(h.shape, dtype=acc, device=h.device) if need_h else None
+        grad_w = torch.zeros(w.shape, dtype=acc, device=w.device) if need_w else None
         if (g_logp is None and g_entropy is None) or not (need_h or need_w):
             return None, None, None, None, None
         rows = torch.arange(h.shape[0], device=h.device)
@@ -80,9 +88,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 g_z -= g_entropy[:, None] * p * (z - mu[:, None])
             g_z = (g_z / temperature).to(h.dtype)
             if need_h:
-                grad_h += (g_z @ w[start:end]).float()
+                grad_h += (g_z @ w[start:end]).to(acc)
             if need_w:
-                grad_w[start:end] += (g_z.t() @ h).float()
+                grad_w[start:end] += (g_z.t() @ h).to(acc)
         return (None if grad_h is None else grad_h.to(h.dtype),
                 None if grad_w is None else grad_w.to(w.dtype), None, None, None)
 
@@ -90,7 +98,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
 def chunked_logprobs(h: Tensor, w: Tensor, targets: Tensor, temperature: float = 1.0,
                      chunk: int = 16384) -> tuple[Tensor, Tensor]:
     """(log softmax(h W^T / T)[y], entropy of softmax(h W^T / T)) for h [..., H], W [V, H],
-    targets [...]; both [...] in fp32. Differentiable in h and W; at most [N, chunk] logits
+    targets [...]; both [...] in fp32 (fp64 for fp64 inputs). Differentiable in h and W; at most [N, chunk] logits
     exist at a time. Detach the entropy when it needs no gradient (its backward is skipped)."""
     lead = targets.shape
     flat_h = h.reshape(-1, h.shape[-1])
