@@ -179,3 +179,31 @@ def test_rank_failure_is_reported(tmp_path):
     """A rank that cannot start (no checkpoint) surfaces as an error naming the cause."""
     with pytest.raises(RuntimeError, match="megatron rank failed"):
         SpawnedMegatronTrainer(trainer_config(tensor_model_parallel_size=2), str(tmp_path))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_gpu_torch_and_megatron_trainers_agree_in_bf16(ckpt, batch):
+    """On a GPU (NCCL world of one, bf16): the torch and Megatron trainers compute the same
+    log-probs and losses within bf16 tolerance."""
+    from infra.config import TrainerConfig
+    from trainers.base import pad_batch
+    from trainers.torch_trainer import TorchTrainer
+
+    cfg = trainer_config()
+    mg = MegatronTrainer(cfg, ckpt[0], dtype="bf16")
+    assert torch.distributed.get_backend() == "nccl"
+    tcfg = TrainerConfig(**{k: getattr(cfg, k) for k in (
+        "lr", "eps_clip", "eps_clip_high", "entropy_coef", "global_batch_size",
+        "micro_batch_size", "clip_grad", "weight_decay", "adam_beta1", "adam_beta2",
+        "loss_aggregation")})
+    tt = TorchTrainer(ckpt[0], tcfg, cfg.n_samples_per_prompt, cfg.rollout_temperature,
+                      device="cuda", dtype="bf16")
+    pb = pad_batch(batch, 0).to("cuda")
+    with torch.no_grad():
+        torch_logp = (tt._logprobs(tt.model, pb)[0] * pb.mask).cpu()
+    torch.testing.assert_close(mg.compute_logprobs(batch), torch_logp, atol=5e-2, rtol=0)
+    m_mg, m_tt = mg.train(batch), tt.train(batch)
+    for k in ("pg_loss", "entropy_loss"):
+        assert m_mg[k] == pytest.approx(m_tt[k], abs=2e-2), k
+    mg.close()

@@ -8,6 +8,7 @@ update is
     header   int64 [2]: (version, header bytes)  then  uint8 [header bytes]: JSON
              {"version", "tensors": [[name, shape, dtype], ...], "buckets": [[first, last), ...]}
     buckets  one uint8 tensor each: the raw bytes of consecutive tensors, back to back
+             (each starting at a multiple of 16 bytes)
 
 so the receiver allocates each bucket once and views tensors into it (bitwise exact, any dtype).
 Buckets hold at most ``bucket_bytes`` (a larger tensor travels alone). In one process no group is
@@ -61,23 +62,43 @@ def plan_buckets(metas: list[TensorMeta], bucket_bytes: int) -> list[tuple[int, 
     return buckets
 
 
+ALIGN = 16  # every tensor starts at a multiple of 16 bytes: a byte view can become any dtype
+
+
+def offsets(metas: list[TensorMeta]) -> tuple[list[int], int]:
+    """(start byte of each tensor, total bytes) when packed back to back, each start rounded
+    up to a multiple of ALIGN."""
+    starts, pos = [], 0
+    for m in metas:
+        pos = -(-pos // ALIGN) * ALIGN
+        starts.append(pos)
+        pos += m.nbytes
+    return starts, pos
+
+
+def packed_size(metas: list[TensorMeta]) -> int:
+    return offsets(metas)[1]
+
+
 def pack(tensors: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:
-    """The raw bytes of ``tensors`` back to back, one uint8 tensor on ``device``."""
-    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    return torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+    """The raw bytes of ``tensors`` in one uint8 tensor on ``device`` (layout: ``offsets``),
+    each copied once straight from where it lives."""
+    metas = [TensorMeta(str(i), tuple(t.shape), str(t.dtype).removeprefix("torch."))
+             for i, t in enumerate(tensors)]
+    starts, total = offsets(metas)
+    flat = torch.zeros(total, dtype=torch.uint8, device=device)
+    for t, start, m in zip(tensors, starts, metas, strict=True):
+        flat[start:start + m.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return flat
 
 
 def unpack(flat: torch.Tensor, metas: list[TensorMeta]) -> dict[str, torch.Tensor]:
     """Views into ``flat`` (uint8) with each meta's dtype and shape: the inverse of ``pack``."""
-    out: dict[str, torch.Tensor] = {}
-    offset = 0
-    for m in metas:
-        chunk = flat[offset:offset + m.nbytes]
-        out[m.name] = chunk.view(DTYPES[m.dtype]).view(m.shape)
-        offset += m.nbytes
-    if offset != flat.numel():
-        raise ValueError(f"bucket holds {flat.numel()} bytes, its tensors {offset}")
-    return out
+    starts, total = offsets(metas)
+    if total != flat.numel():
+        raise ValueError(f"bucket holds {flat.numel()} bytes, its tensors {total}")
+    return {m.name: flat[start:start + m.nbytes].view(DTYPES[m.dtype]).view(m.shape)
+            for m, start in zip(metas, starts, strict=True)}
 
 
 def encode_header(version: int, metas: list[TensorMeta], buckets: list[tuple[int, int]]) -> bytes:
@@ -153,7 +174,7 @@ class WeightReceiver:
         out: dict[str, torch.Tensor] = {}
         for first, last in buckets:
             part = metas[first:last]
-            flat = torch.empty(sum(m.nbytes for m in part), dtype=torch.uint8, device=self.device)
+            flat = torch.empty(packed_size(part), dtype=torch.uint8, device=self.device)
             _broadcast(self.group, flat, self.src)
             out.update(unpack(flat, part))
         return version, out

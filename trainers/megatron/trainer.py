@@ -187,7 +187,7 @@ class MegatronTrainer:
         (None on other ranks), on this rank's device. Collective: every rank must call it.
         Only names/shapes travel as objects; each shard's tensors travel as one flat byte
         tensor per rank (``weight_transfer.pack``: send/recv, NCCL on GPU), not pickled."""
-        from trainers.weight_transfer import TensorMeta, pack, unpack
+        from trainers.weight_transfer import TensorMeta, pack, packed_size, unpack
 
         local = self.local_state_dict(copy=False)
         metas = [TensorMeta(k, tuple(v.shape), str(v.dtype).removeprefix("torch."))
@@ -209,7 +209,7 @@ class MegatronTrainer:
                 shards[(pp_rank, tp_rank)] = local
                 continue
             theirs = [TensorMeta(n, tuple(s), d) for n, s, d in entries]
-            flat = torch.empty(sum(m.nbytes for m in theirs), dtype=torch.uint8,
+            flat = torch.empty(packed_size(theirs), dtype=torch.uint8,
                                device=self._device)
             dist.recv(flat, src=src)
             shards[(pp_rank, tp_rank)] = unpack(flat, theirs)
