@@ -110,7 +110,7 @@ def hf_step_seconds(model_dir: Path, batch, micro: int, device: str, dtype: str,
             (out.loss * len(part) / len(ids)).backward()
         opt.step()
     seconds = timed(step, device, repeat)
-    del model, opt
+    model = opt = None  # freed before the next measurement
     free(device)
     return seconds
 
@@ -134,7 +134,7 @@ def engine_figures(engine, model_dir: Path, device: str, dtype: str, gen_batch: 
             hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
     hf_s = timed(hf_generate, device, repeat=2)
-    del hf
+    hf = None
     free(device)
     total = gen_batch * new_tokens
     return {"engine_tokens_per_s": total / eng_s, "hf_generate_tokens_per_s": total / hf_s,
@@ -156,12 +156,12 @@ def torch_figures(model_dir: Path, batch, args, device: str, dtype: str) -> dict
     handoff_s = timed(lambda: engine.load_state_dict(trainer.state_dict(), 1), device, repeat=3)
     with tempfile.TemporaryDirectory() as d:
         save_s = timed(lambda: trainer.save(str(Path(d) / "ckpt")), device, repeat=1, warmup=0)
-    del trainer
+    trainer = None
     free(device)
     out = {"torch_trainer_step_s": step_s, "handoff_s": handoff_s, "save_s": save_s}
     out.update(engine_figures(engine, model_dir, device, dtype, args.gen_batch, args.gen_tokens,
                               args.vocab))
-    del engine
+    engine = None
     free(device)
     return out
 
@@ -181,7 +181,7 @@ def megatron_figures(model_dir: Path, batch, args, dtype: str) -> dict[str, floa
     step_s = timed(lambda: trainer.train(batch), device, args.repeat)
     gather_s = timed(trainer.hf_state_dict, device, repeat=2)
     trainer.close()
-    del trainer
+    trainer = None
     free(device)
     return {"megatron_trainer_step_s": step_s, "megatron_hf_state_dict_s": gather_s}
 

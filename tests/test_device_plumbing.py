@@ -243,3 +243,26 @@ def test_gpu_trainer_and_engine_agree(tiny, dtype):
     engine.load_state_dict(tr.state_dict(), 1)
     assert next(engine.model.parameters()).dtype == (torch.bfloat16 if dtype == "bf16"
                                                      else torch.float32)
+
+
+def test_gpu_config_loads_and_builds_tens_of_millions_of_parameters():
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from infra.config import load_config
+    from infra.modeling import build_char_tokenizer
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "gpu.yaml")
+    assert cfg.device == "auto" and cfg.dtype == "auto"
+    tiny = cfg.model.tiny
+    config = Qwen2Config(vocab_size=len(build_char_tokenizer()), hidden_size=tiny.hidden_size,
+                         num_hidden_layers=tiny.num_hidden_layers,
+                         num_attention_heads=tiny.num_attention_heads,
+                         num_key_value_heads=tiny.num_key_value_heads,
+                         intermediate_size=tiny.intermediate_size, tie_word_embeddings=True)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert 10e6 <= n <= 100e6
+    assert cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt \
+        <= cfg.trainer.global_batch_size  # one optimizer step per rollout

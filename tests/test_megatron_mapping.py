@@ -7,7 +7,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from trainers.megatron.cpu_patches import apply_cpu_patches
-from trainers.megatron.model import build_gpt_model, forward_logits, init_distributed
+from trainers.megatron.model import (
+    build_gpt_model,
+    forward_logits,
+    init_distributed,
+    process_group_backend,
+)
 from trainers.megatron.weight_mapping import (
     ModelShape,
     fuse_qkv,
@@ -54,6 +59,13 @@ def hf_weights(model) -> dict[str, torch.Tensor]:
     if model.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     return sd
+
+
+def test_process_group_backend_is_nccl_on_gpu_and_gloo_on_cpu():
+    assert process_group_backend(cuda_available=True) == "nccl"
+    assert process_group_backend(cuda_available=False) == "gloo"
+    # the world of one this module runs in (init_distributed) chose by the same rule
+    assert torch.distributed.get_backend() == process_group_backend(torch.cuda.is_available())
 
 
 def device_of(model) -> torch.device:

@@ -349,7 +349,8 @@ class TorchTrainer:
         self.optimizer = self._make_optimizer(self.cfg.lr)
         state_path = Path(checkpoint_dir) / STATE_FILE
         if state_path.exists():
-            state = torch.load(state_path, weights_only=False)
+            # on CPU first: the optimizer moves its state to the parameters' device itself
+            state = torch.load(state_path, weights_only=False, map_location="cpu")
             self.optimizer.load_state_dict(state["optimizer"])
             self.weight_version = state["weight_version"]
             torch.set_rng_state(state["torch_rng"])
