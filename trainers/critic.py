@@ -40,7 +40,8 @@ class ValueModel(torch.nn.Module):
         backbone = copy.deepcopy(policy.base_model)
         for p in backbone.parameters():
             p.requires_grad_(True)
-        return cls(backbone, policy.config.hidden_size).train()
+        device = next(backbone.parameters()).device
+        return cls(backbone, policy.config.hidden_size).to(device).train()
 
     @classmethod
     def from_config(cls, config, device: str = "cpu") -> ValueModel:

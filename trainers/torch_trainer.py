@@ -251,13 +251,13 @@ class TorchTrainer:
         totals: dict[str, float] = {}
         steps = 0
         for start in range(0, n, step_size):
-            step_idx = torch.arange(start, min(start + step_size, n))
+            step_idx = torch.arange(start, min(start + step_size, n), device=self.device)
             step_mask = prep.mask[step_idx]
             self.optimizer.zero_grad(set_to_none=True)
             if self.critic_optimizer is not None:
                 self.critic_optimizer.zero_grad(set_to_none=True)
             for m0 in range(0, len(step_idx), micro):
-                local = torch.arange(m0, min(m0 + micro, len(step_idx)))
+                local = torch.arange(m0, min(m0 + micro, len(step_idx)), device=self.device)
                 idx = step_idx[local]
                 terms = self._micro_step(pb.select(idx), prep, idx,
                                          micro_weight(cfg.loss_aggregation, step_mask, local),
@@ -383,7 +383,8 @@ def _no_grad_chunks(fn, pb: PaddedBatch, chunk: int) -> torch.Tensor:
     """fn over row chunks of ``pb`` without gradients, concatenated along rows."""
     n = len(pb.mask)
     with torch.no_grad():
-        return torch.cat([fn(pb.select(torch.arange(s, min(s + chunk, n))))
+        return torch.cat([fn(pb.select(torch.arange(s, min(s + chunk, n),
+                                                    device=pb.mask.device)))
                           for s in range(0, n, chunk)])
 
 
