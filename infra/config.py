@@ -160,9 +160,10 @@ class TrainerConfig(_Section):
     pipeline_model_parallel_size: int = Field(1, ge=1)
     recompute_granularity: Literal["full"] | None = Field(
         None, description="full: activation checkpointing of every decoder layer (torch trainer)")
-    vocab_chunk_size: int = Field(
+    vocab_chunk_size: int | None = Field(
         16384, ge=1, description="log-probs and entropy are computed over this many vocabulary "
-                                 "ids at a time, so [batch, tokens, vocab] logits never exist")
+                                 "ids at a time, so [batch, tokens, vocab] logits never exist; "
+                                 "null: from the model's full logits")
 
     @model_validator(mode="after")
     def _kl_once(self) -> TrainerConfig:

@@ -3,9 +3,11 @@
 One ``train`` call consumes one rollout batch: old log-probs (and the reference's log-probs
 and the critic's values, when configured) are computed first (slime's "log-prob time"), then
 advantages with ``algorithms.compute_advantages``, then ``ceil(len(batch) / global_batch_size)``
-optimizer steps, each accumulating gradients over micro-batches. The loss terms are in
-``trainers.losses``, the critic in ``trainers.critic``, the reference in ``trainers.reference``;
-formulas and choices: docs/algorithms.md.
+optimizer steps, each accumulating gradients over micro-batches. With a single optimizer step
+(and no KL in the reward) the old log-probs are the grad pass's own, detached: no separate
+forward. The loss terms are in ``trainers.losses``, the critic in ``trainers.critic``, the
+reference in ``trainers.reference``; formulas and choices: docs/algorithms.md. On CUDA
+(``device``/``dtype``): fp32 master weights and AdamW state under bf16 autocast (docs/gpu.md).
 """
 
 from __future__ import annotations
