@@ -132,12 +132,13 @@ class TorchEngine:
             logits = step.forward(step_ids, step_pos, key_valid, start)
             token, logp = sample_next_token(logits, sp.temperature, sp.top_p, sp.top_k, self.generator)
             token = torch.where(done, torch.full_like(token, self.pad_token_id), token)
-            live = ~done
-            out_tokens[rows[live], t] = token[live]
-            out_logps[rows[live], t] = logp[live]
-            lengths[rows[live]] += 1
-            hit_stop = torch.isin(token, stop_ids) & live
-            stopped[rows[hit_stop]] = True
+            # rows are distinct: plain index writes, no boolean-mask gathers (host syncs on GPU);
+            # a finished row's writes land past its length and are never read
+            out_tokens[rows, t] = token
+            out_logps[rows, t] = logp
+            lengths[rows] += (~done).long()
+            hit_stop = torch.isin(token, stop_ids) & ~done
+            stopped[rows] = stopped[rows] | hit_stop
             done |= hit_stop
             n_done = int(done.sum())
             if n_done == len(rows):
