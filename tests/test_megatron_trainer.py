@@ -65,7 +65,8 @@ def reference(ckpt, batch):
 
 def assert_weights_close(got: dict, want: dict, tol: float) -> None:
     assert got.keys() == want.keys()
-    worst = max(float((got[k] - want[k]).abs().max()) for k in want)
+    # hf_state_dict lives on the trainer's device (the GPU if any)
+    worst = max(float((got[k].cpu() - want[k].cpu()).abs().max()) for k in want)
     assert worst <= tol, worst
 
 
@@ -76,7 +77,8 @@ def test_tp1_matches_plain_hf_grpo_step(tp1, reference, ckpt):
     for k in ("pg_loss", "entropy_loss", "grad_norm"):
         assert metrics[k] == pytest.approx(ref_metrics[k], abs=1e-5), k
     assert metrics["optimizer_steps"] == 1.0 and metrics["ppo_kl"] == pytest.approx(0, abs=1e-6)
-    moved = max(float((weights[k] - ckpt[1].state_dict()[k]).abs().max()) for k in weights)
+    moved = max(float((weights[k].cpu() - ckpt[1].state_dict()[k]).abs().max())
+                for k in weights)
     assert moved > 1e-4  # the step did change the weights
     assert_weights_close(weights, ref_weights, WEIGHT_TOL)
 
