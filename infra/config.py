@@ -165,6 +165,12 @@ class TrainerConfig(_Section):
     max_staleness: int = Field(0, ge=0, description="k: train on samples with version >= v - k")
     tensor_model_parallel_size: int = Field(1, ge=1)
     pipeline_model_parallel_size: int = Field(1, ge=1)
+    recompute_granularity: Literal["full"] | None = Field(
+        None, description="full: activation checkpointing of every decoder layer (torch trainer)")
+    vocab_chunk_size: int | None = Field(
+        16384, ge=1, description="log-probs and entropy are computed over this many vocabulary "
+                                 "ids at a time, so [batch, tokens, vocab] logits never exist; "
+                                 "null: from the model's full logits")
 
     @model_validator(mode="after")
     def _kl_once(self) -> TrainerConfig:
@@ -237,6 +243,12 @@ class RunConfig(_Section):
     deterministic: bool = False
     keep_checkpoints: int = Field(3, ge=1)
     torch_threads: int = Field(1, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the torch engine, trainer, reference and critic run; auto = "
+                           "cuda when a CUDA device is present (docs/gpu.md)")
+    dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="weights/compute dtype; auto = bf16 on cuda, fp32 on cpu. The torch "
+                            "trainer keeps fp32 master weights and optimizer state under bf16")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()

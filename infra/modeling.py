@@ -8,7 +8,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
-from infra.config import TinyModelConfig
+from infra.config import ConfigError, TinyModelConfig
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 # Enough characters for the built-in tasks (arithmetic, countdown, a calculator tool).
@@ -45,11 +45,51 @@ def build_tiny_model(out_dir: str | Path, tiny: TinyModelConfig, seed: int = 0) 
     return out
 
 
-def load_model(path: str | Path) -> torch.nn.Module:
-    """An HF causal LM in fp32, eager attention (deterministic on CPU, identical in trainer and
-    engine, so rollout and training log-probs agree)."""
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                attn_implementation="eager")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def resolve_device(device: str, cuda_available: bool | None = None) -> str:
+    """The config's ``device`` (auto | cpu | cuda) as "cpu" or "cuda": auto = cuda when a CUDA
+    device is present. cuda without one is a ConfigError naming the key."""
+    has_cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if device == "auto":
+        return "cuda" if has_cuda else "cpu"
+    if device == "cuda" and not has_cuda:
+        raise ConfigError("bad config value for 'device': cuda was requested but torch sees no "
+                          "CUDA device (use device: cpu or auto)")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"bad config value for 'device': {device!r} (allowed: auto, cpu, cuda)")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The config's ``dtype`` (auto | fp32 | bf16) as "fp32" or "bf16": auto = bf16 on cuda,
+    fp32 on cpu (determinism and the CPU tests)."""
+    if dtype == "auto":
+        return "bf16" if device == "cuda" else "fp32"
+    if dtype not in DTYPES:
+        raise ConfigError(f"bad config value for 'dtype': {dtype!r} (allowed: auto, fp32, bf16)")
+    return dtype
+
+
+def placement(device: str, dtype: str) -> tuple[str, str]:
+    """(device, dtype) resolved from the config's ``device`` and ``dtype``."""
+    resolved = resolve_device(device)
+    return resolved, resolve_dtype(dtype, resolved)
+
+
+def attention_for(device: str) -> str:
+    """eager on CPU (deterministic, identical in trainer and engine), sdpa on CUDA (fused)."""
+    return "sdpa" if device == "cuda" else "eager"
+
+
+def load_model(path: str | Path, device: str = "cpu", dtype: str = "fp32") -> torch.nn.Module:
+    """An HF causal LM with weights in ``dtype`` on ``device`` (resolved names: cpu|cuda,
+    fp32|bf16). The CPU default, fp32 + eager attention, keeps trainer and engine identical so
+    rollout and training log-probs agree."""
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype],
+                                                 attn_implementation=attention_for(device))
+    return model.to(device)
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:

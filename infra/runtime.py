@@ -14,7 +14,7 @@ import torch
 
 from buffer import Lake
 from infra.config import RunConfig, config_from_dict
-from infra.modeling import build_tiny_model, load_tokenizer
+from infra.modeling import build_tiny_model, load_tokenizer, placement
 from infra.startup import new_run_id  # noqa: F401 - re-exported (flows.replay)
 from infra.tracking import Tracker
 from rollout.data import PromptDataset
@@ -125,8 +125,9 @@ def _make_engine(cfg: RunConfig, model_dir: Path, tokenizer, version: int) -> Ro
     if cfg.rollout.engine == "torch":
         from rollout.torch_engine import TorchEngine
 
+        device, dtype = placement(cfg.device, cfg.dtype)
         return TorchEngine(str(model_dir), tokenizer.eos_token_id, tokenizer.pad_token_id,
-                           weight_version=version, seed=cfg.seed)
+                           weight_version=version, seed=cfg.seed, device=device, dtype=dtype)
     from rollout.sglang import SGLangEngine
 
     return SGLangEngine.from_config(cfg, str(model_dir), weight_version=version)
@@ -134,17 +135,20 @@ def _make_engine(cfg: RunConfig, model_dir: Path, tokenizer, version: int) -> Ro
 
 def _make_trainer(cfg: RunConfig, model_dir: Path, tokenizer, version: int,
                   reference_dir: Path | None = None):
+    device, dtype = placement(cfg.device, cfg.dtype)
     if cfg.trainer.backend == "megatron":
         from trainers.megatron.launch import make_megatron_trainer
 
         return make_megatron_trainer(cfg.trainer, str(model_dir),
                                      n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
                                      rollout_temperature=cfg.rollout.rollout_temperature,
-                                     weight_version=version, pad_token_id=tokenizer.pad_token_id)
+                                     weight_version=version, pad_token_id=tokenizer.pad_token_id,
+                                     dtype=dtype)
     return TorchTrainer(str(model_dir), cfg.trainer, cfg.rollout.n_samples_per_prompt,
                         cfg.rollout.rollout_temperature, weight_version=version,
                         pad_token_id=tokenizer.pad_token_id,
-                        reference_dir=str(reference_dir) if reference_dir else None)
+                        reference_dir=str(reference_dir) if reference_dir else None,
+                        device=device, dtype=dtype)
 
 
 def _task_data(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, list[dict]]:

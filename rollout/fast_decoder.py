@@ -20,7 +20,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of pos * base^(-2i/d), duplicated over both halves (HF's rotate_half layout)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                            device=positions.device) / head_dim))
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -40,8 +41,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     bsz, n_heads, _, dim = q.shape
     n_kv = k.shape[1]
     scores = torch.matmul(q.view(bsz, n_kv, n_heads // n_kv, dim), k.transpose(-1, -2))
-    probs = torch.softmax(scores.mul_(dim ** -0.5).add_(bias), dim=-1)
-    return torch.matmul(probs, v).view(bsz, n_heads, dim)
+    # softmax in fp32 (a no-op cast in fp32, and what keeps bf16 decoding close to HF's)
+    probs = torch.softmax(scores.mul_(dim ** -0.5).add_(bias), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs.to(v.dtype), v).view(bsz, n_heads, dim)
 
 
 @dataclass
@@ -82,35 +84,53 @@ class FastDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.eps = cfg.rms_norm_eps
         self.rope_base = _rope_base(cfg)
-        self._cos = self._sin = torch.empty(0, self.head_dim)
+        self.n_layers = cfg.num_hidden_layers
+        sd = {k: v.detach() for k, v in model.state_dict().items()}
+        self.embed = sd["model.embed_tokens.weight"]
+        self.device, self.dtype = self.embed.device, self.embed.dtype
+        self._cos = self._sin = torch.empty(0, self.head_dim, device=self.device)
+        self.layers: list[_Layer] = []
+        self.refresh(model)
+
+    def refresh(self, model: torch.nn.Module) -> None:
+        """Take ``model``'s current weights: views of its tensors, and the fused QKV / gate-up
+        matrices re-filled in place (no new allocation after the first call)."""
         sd = {k: v.detach() for k, v in model.state_dict().items()}
         self.embed = sd["model.embed_tokens.weight"]
         self.final_norm = sd["model.norm.weight"]
         self.lm_head = sd.get("lm_head.weight", self.embed)
+        old = self.layers
         self.layers = []
-        for i in range(cfg.num_hidden_layers):
+        for i in range(self.n_layers):
             p = f"model.layers.{i}."
             biases = [sd.get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
+            prev = old[i] if old else None
             self.layers.append(_Layer(
                 input_norm=sd[p + "input_layernorm.weight"],
-                qkv_w=torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
-                qkv_b=torch.cat(biases) if biases[0] is not None else None,
+                qkv_w=_cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"],
+                           prev.qkv_w if prev else None),
+                qkv_b=_cat(biases, prev.qkv_b if prev else None) if biases[0] is not None else None,
                 o_w=sd[p + "self_attn.o_proj.weight"],
                 post_norm=sd[p + "post_attention_layernorm.weight"],
-                gate_up_w=torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]),
+                gate_up_w=_cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]],
+                               prev.gate_up_w if prev else None),
                 down_w=sd[p + "mlp.down_proj.weight"]))
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [B, S, 1, d] for ``positions`` from a table grown on demand."""
         needed = int(positions.max()) + 1
         if self._cos.shape[0] < needed:
-            table = torch.arange(max(needed, 2 * self._cos.shape[0], 64))
-            self._cos, self._sin = rope_tables(table, self.head_dim, self.rope_base)
+            table = torch.arange(max(needed, 2 * self._cos.shape[0], 64), device=self.device)
+            cos, sin = rope_tables(table, self.head_dim, self.rope_base)
+            # tables computed in fp32, stored in the weights' dtype as HF applies them
+            self._cos, self._sin = cos.to(self.dtype), sin.to(self.dtype)
         return self._cos[positions][:, :, None], self._sin[positions][:, :, None]
 
     def new_cache(self, batch: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The preallocated KV cache [L, B, kvh, max_len, d] in the weights' dtype/device."""
         shape = (len(self.layers), batch, self.n_kv, max_len, self.head_dim)
-        return torch.zeros(shape), torch.zeros(shape)
+        return (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device))
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
@@ -125,14 +145,16 @@ class FastDecoder:
         h = self.embed[ids]
         cos, sin = self._rope(positions)
         allowed = key_valid[:, None, None, :end]
+        dev = ids.device
         if seq > 1:
-            causal = torch.ones(seq, end, dtype=torch.bool).tril(diagonal=start)
+            causal = torch.ones(seq, end, dtype=torch.bool, device=dev).tril(diagonal=start)
             # a padding query sees itself, so its (unused) row stays finite instead of NaN
-            itself = torch.zeros(seq, end, dtype=torch.bool)
-            itself[:, start:end] = torch.eye(seq, dtype=torch.bool)
+            itself = torch.zeros(seq, end, dtype=torch.bool, device=dev)
+            itself[:, start:end] = torch.eye(seq, dtype=torch.bool, device=dev)
             allowed = (allowed & causal) | itself
         else:  # decode: one additive bias for every layer (measured faster than SDPA here)
-            bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+            bias = torch.zeros(allowed.shape, dtype=self.dtype, device=dev).masked_fill_(
+                ~allowed, float("-inf"))
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         for li, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, self.eps)
@@ -155,3 +177,12 @@ class FastDecoder:
             h = h + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, layer.down_w)
         last = rms_norm(h[:, -1], self.final_norm, self.eps)
         return torch.nn.functional.linear(last, self.lm_head)
+
+
+def _cat(parts: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
+    """torch.cat(parts), written into ``out`` when it has the right shape/dtype/device."""
+    rows = sum(p.shape[0] for p in parts)
+    if out is not None and out.shape[0] == rows and out.dtype == parts[0].dtype \
+            and out.device == parts[0].device:
+        return torch.cat(parts, out=out)
+    return torch.cat(parts)

@@ -56,31 +56,38 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 
 
 class TorchEngine:
-    """In-process engine over an HF causal LM. ``update_weights`` reloads an HF checkpoint."""
+    """In-process engine over an HF causal LM on ``device`` in ``dtype`` (resolved names:
+    cpu|cuda, fp32|bf16). ``update_weights`` reloads an HF checkpoint; ``load_state_dict``
+    copies a trainer's tensors into the engine's own (device to device, casting if needed)."""
 
     name = "torch"
 
     def __init__(self, model_dir: str, eos_token_id: int, pad_token_id: int,
-                 weight_version: int = 0, seed: int = 0, max_batch_size: int = 512):
-        self.model = load_model(model_dir).eval()
+                 weight_version: int = 0, seed: int = 0, max_batch_size: int = 512,
+                 device: str = "cpu", dtype: str = "fp32"):
+        self.device, self.dtype = device, dtype
+        self.model = load_model(model_dir, device, dtype).eval()
         self.fast = FastDecoder(self.model) if supports(self.model.config) else None
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self._weight_version = weight_version
         self.max_batch_size = max_batch_size
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
 
     @property
     def weight_version(self) -> int:
         return self._weight_version
 
     def update_weights(self, checkpoint_dir: str, weight_version: int) -> None:
-        self.model = load_model(checkpoint_dir).eval()
+        self.model = load_model(checkpoint_dir, self.device, self.dtype).eval()
         self.fast = FastDecoder(self.model) if supports(self.model.config) else None
         self._weight_version = weight_version
 
+    @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], weight_version: int) -> None:
-        """In-process weight hand-off (no disk round trip) from a trainer in the same process."""
+        """In-process weight hand-off (no disk round trip): each tensor is copied once into the
+        engine's parameter (``copy_``: device to device, cast to the engine's dtype), and the
+        fast decoder's fused matrices are re-filled in place."""
         result = self.model.load_state_dict(state_dict, strict=False)
         tied = getattr(self.model.config, "tie_word_embeddings", False)
         missing = set(result.missing_keys) - ({"lm_head.weight"} if tied else set())
@@ -88,7 +95,7 @@ class TorchEngine:
             raise ValueError(f"weights do not fit the engine's model: missing {sorted(missing)}, "
                              f"unexpected {sorted(result.unexpected_keys)}")
         if self.fast is not None:
-            self.fast = FastDecoder(self.model)
+            self.fast.refresh(self.model)
         self._weight_version = weight_version
 
     def shutdown(self) -> None:
@@ -104,49 +111,89 @@ class TorchEngine:
         return results
 
     def _generate_batch(self, prompts: list[list[int]], sp: SamplingParams) -> list[GenerationResult]:
-        ids, mask = left_pad(prompts, self.pad_token_id)
+        dev = self.device
+        ids, mask = (t.to(dev) for t in left_pad(prompts, self.pad_token_id))
         batch, width = ids.shape
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        key_valid = torch.ones((batch, width + sp.max_new_tokens), dtype=torch.bool)
+        key_valid = torch.ones((batch, width + sp.max_new_tokens), dtype=torch.bool, device=dev)
         key_valid[:, :width] = mask.bool()
-        step = self._stepper(batch, width + sp.max_new_tokens, mask)
-        stop_ids = torch.tensor(sorted({self.eos_token_id, *sp.stop_token_ids}), dtype=torch.long)
-        out_tokens = torch.full((batch, sp.max_new_tokens), self.pad_token_id, dtype=torch.long)
-        out_logps = torch.zeros((batch, sp.max_new_tokens))
-        lengths = torch.zeros(batch, dtype=torch.long)
-        finished = torch.zeros(batch, dtype=torch.bool)
-        stopped = torch.zeros(batch, dtype=torch.bool)
+        step = self._stepper(batch, width + sp.max_new_tokens)
+        stop_ids = torch.tensor(sorted({self.eos_token_id, *sp.stop_token_ids}), dtype=torch.long,
+                                device=dev)
+        out_tokens = torch.full((batch, sp.max_new_tokens), self.pad_token_id, dtype=torch.long,
+                                device=dev)
+        out_logps = torch.zeros((batch, sp.max_new_tokens), device=dev)
+        lengths = torch.zeros(batch, dtype=torch.long, device=dev)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=dev)
+        rows = torch.arange(batch, device=dev)  # original row of each row still decoding
+        done = torch.zeros(batch, dtype=torch.bool, device=dev)  # finished, not yet compacted
         step_ids, step_pos, start = ids, positions, 0
         for t in range(sp.max_new_tokens):
-            logits = step(step_ids, step_pos, key_valid, start)
+            logits = step.forward(step_ids, step_pos, key_valid, start)
             token, logp = sample_next_token(logits, sp.temperature, sp.top_p, sp.top_k, self.generator)
-            token = torch.where(finished, torch.full_like(token, self.pad_token_id), token)
-            out_tokens[:, t] = token
-            out_logps[:, t] = logp
-            lengths += (~finished).long()
-            hit_stop = torch.isin(token, stop_ids) & ~finished
-            stopped |= hit_stop
-            finished |= hit_stop
-            if bool(finished.all()):
+            token = torch.where(done, torch.full_like(token, self.pad_token_id), token)
+            # rows are distinct: plain index writes, no boolean-mask gathers (host syncs on GPU);
+            # a finished row's writes land past its length and are never read
+            out_tokens[rows, t] = token
+            out_logps[rows, t] = logp
+            lengths[rows] += (~done).long()
+            hit_stop = torch.isin(token, stop_ids) & ~done
+            stopped[rows] = stopped[rows] | hit_stop
+            done |= hit_stop
+            n_done = int(done.sum())
+            if n_done == len(rows):
                 break
             start += step_ids.shape[1]
             step_ids, step_pos = token[:, None], step_pos[:, -1:] + 1
-        return [
-            GenerationResult(token_ids=out_tokens[i, :lengths[i]].tolist(),
-                             logprobs=out_logps[i, :lengths[i]].tolist(),
-                             finish_reason="stop" if stopped[i] else "length")
-            for i in range(batch)
-        ]
+            if n_done and should_compact(n_done, len(rows)) and step.compact(~done):
+                keep = ~done
+                rows, step_ids, step_pos = rows[keep], step_ids[keep], step_pos[keep]
+                key_valid, done = key_valid[keep], done[keep]
+        lengths, stopped = lengths.tolist(), stopped.tolist()
+        tokens, logps = out_tokens.tolist(), out_logps.tolist()
+        return [GenerationResult(token_ids=tokens[i][:lengths[i]], logprobs=logps[i][:lengths[i]],
+                                 finish_reason="stop" if stopped[i] else "length")
+                for i in range(batch)]
 
-    def _stepper(self, batch: int, max_len: int, prompt_mask: torch.Tensor):
-        """A function (ids, positions, key_valid, start) -> last-position logits."""
+    def _stepper(self, batch: int, max_len: int) -> _FastStep | _HFStep:
+        """The decode step: the fast decoder over a preallocated cache, else HF's forward."""
         if self.fast is not None:
-            cache = self.fast.new_cache(batch, max_len)
-            return lambda ids, pos, valid, start: self.fast.forward(ids, pos, valid, cache, start)
-        hf_cache = DynamicCache()
+            return _FastStep(self.fast, self.fast.new_cache(batch, max_len))
+        return _HFStep(self.model)
 
-        def hf_step(ids, pos, valid, start):
-            attn = valid[:, :start + ids.shape[1]].long()
-            return self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
-                              past_key_values=hf_cache, use_cache=True).logits[:, -1, :]
-        return hf_step
+
+def should_compact(n_done: int, n_rows: int) -> bool:
+    """Drop finished rows once they are >= 1/8 of the rows still in the batch: each compaction
+    copies the KV cache once, so it is amortised over the steps it saves."""
+    return 8 * n_done >= n_rows
+
+
+class _FastStep:
+    """Decode steps over the fast decoder's preallocated KV cache; finished rows can be dropped."""
+
+    def __init__(self, fast: FastDecoder, cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.fast, self.cache = fast, cache
+
+    def forward(self, ids, pos, valid, start) -> torch.Tensor:
+        return self.fast.forward(ids, pos, valid, self.cache, start)
+
+    def compact(self, keep: torch.Tensor) -> bool:
+        """Keep only rows ``keep`` [B] bool of the cache [L, B, kvh, T, d]."""
+        self.cache = (self.cache[0][:, keep], self.cache[1][:, keep])
+        return True
+
+
+class _HFStep:
+    """Decode steps through HF's forward with a DynamicCache (models the fast decoder does not
+    support); finished rows stay in the batch (they decode padding)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.cache = model, DynamicCache()
+
+    def forward(self, ids, pos, valid, start) -> torch.Tensor:
+        attn = valid[:, :start + ids.shape[1]].long()
+        return self.model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                          past_key_values=self.cache, use_cache=True).logits[:, -1, :]
+
+    def compact(self, keep: torch.Tensor) -> bool:
+        return False

@@ -7,7 +7,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from trainers.megatron.cpu_patches import apply_cpu_patches
-from trainers.megatron.model import build_gpt_model, forward_logits, init_distributed
+from trainers.megatron.model import (
+    build_gpt_model,
+    forward_logits,
+    init_distributed,
+    process_group_backend,
+)
 from trainers.megatron.weight_mapping import (
     ModelShape,
     fuse_qkv,
@@ -56,6 +61,17 @@ def hf_weights(model) -> dict[str, torch.Tensor]:
     return sd
 
 
+def test_process_group_backend_is_nccl_on_gpu_and_gloo_on_cpu():
+    assert process_group_backend(cuda_available=True) == "nccl"
+    assert process_group_backend(cuda_available=False) == "gloo"
+    # the world of one this module runs in (init_distributed) chose by the same rule
+    assert torch.distributed.get_backend() == process_group_backend(torch.cuda.is_available())
+
+
+def device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
 CASES = [("qwen2", True), ("qwen2", False), ("llama", True), ("llama", False)]
 
 
@@ -70,14 +86,14 @@ def test_hf_to_megatron_logits_and_round_trip(kind, tie):
     ids = torch.randint(0, shape.vocab_size, (3, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
-        got = forward_logits(mg, ids)
+        got = forward_logits(mg, ids.to(device_of(mg))).cpu()  # megatron is on the GPU if any
     assert got.shape == ref.shape
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     back = megatron_to_hf([mg.state_dict()], shape)
     want = hf_weights(hf)
     assert back.keys() == want.keys()
     for k in want:
-        assert torch.equal(back[k], want[k]), k
+        assert torch.equal(back[k].cpu(), want[k]), k
 
 
 @pytest.mark.parametrize("kind,tie", CASES)
@@ -101,7 +117,8 @@ def test_megatron_to_hf_logits(kind, tie):
         assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()
     ids = torch.randint(0, shape.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        torch.testing.assert_close(fresh(input_ids=ids).logits, forward_logits(mg, ids),
+        torch.testing.assert_close(fresh(input_ids=ids).logits,
+                                   forward_logits(mg, ids.to(device_of(mg))).cpu(),
                                    atol=1e-5, rtol=0)
     again = hf_to_megatron(exported, shape)
     own = {k: v for k, v in mg.state_dict().items() if not k.endswith("_extra_state")}

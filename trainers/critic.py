@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModel
 
+from infra.modeling import attention_for
+
 CRITIC_FILE = "critic.pt"
 
 
@@ -38,13 +40,16 @@ class ValueModel(torch.nn.Module):
         backbone = copy.deepcopy(policy.base_model)
         for p in backbone.parameters():
             p.requires_grad_(True)
-        return cls(backbone, policy.config.hidden_size).train()
+        device = next(backbone.parameters()).device
+        return cls(backbone, policy.config.hidden_size).to(device).train()
 
     @classmethod
-    def from_config(cls, config) -> ValueModel:
-        """An untrained value model of ``config``'s shape (``load_critic`` fills it)."""
-        return cls(AutoModel.from_config(config, attn_implementation="eager"),
-                   config.hidden_size).train()
+    def from_config(cls, config, device: str = "cpu") -> ValueModel:
+        """An untrained fp32 value model of ``config``'s shape on ``device`` (``load_critic``
+        fills it)."""
+        backbone = AutoModel.from_config(config, attn_implementation=attention_for(device),
+                                         dtype=torch.float32)
+        return cls(backbone, config.hidden_size).to(device).train()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -59,7 +64,9 @@ def response_values(critic: ValueModel, input_ids: torch.Tensor, attention_mask:
 
 def make_critic_optimizer(critic: ValueModel, lr: float, weight_decay: float,
                           betas: tuple[float, float]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(critic.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+    fused = next(critic.parameters()).is_cuda or None
+    return torch.optim.AdamW(critic.parameters(), lr=lr, weight_decay=weight_decay, betas=betas,
+                             fused=fused)
 
 
 def save_critic(path: Path, critic: ValueModel, optimizer: torch.optim.Optimizer) -> None:
@@ -67,11 +74,11 @@ def save_critic(path: Path, critic: ValueModel, optimizer: torch.optim.Optimizer
     torch.save({"model": critic.state_dict(), "optimizer": optimizer.state_dict()}, path)
 
 
-def load_critic(path: Path, config, lr: float, weight_decay: float,
-                betas: tuple[float, float]) -> tuple[ValueModel, torch.optim.Optimizer]:
-    """Rebuild what ``save_critic`` wrote (``config``: the policy's HF config)."""
-    state = torch.load(path, weights_only=False)
-    critic = ValueModel.from_config(config)
+def load_critic(path: Path, config, lr: float, weight_decay: float, betas: tuple[float, float],
+                device: str = "cpu") -> tuple[ValueModel, torch.optim.Optimizer]:
+    """Rebuild what ``save_critic`` wrote (``config``: the policy's HF config) on ``device``."""
+    state = torch.load(path, weights_only=False, map_location=device)
+    critic = ValueModel.from_config(config, device)
     critic.load_state_dict(state["model"])
     optimizer = make_critic_optimizer(critic, lr, weight_decay, betas)
     optimizer.load_state_dict(state["optimizer"])

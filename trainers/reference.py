@@ -14,12 +14,13 @@ import torch
 from infra.modeling import load_model
 
 
-def load_reference(path: str | Path) -> torch.nn.Module:
-    """An HF causal LM from ``path``, in eval mode, with every parameter frozen."""
+def load_reference(path: str | Path, device: str = "cpu", dtype: str = "fp32") -> torch.nn.Module:
+    """An HF causal LM from ``path``, in eval mode, with every parameter frozen; its weights
+    are stored in ``dtype`` on ``device`` (it never trains: no fp32 master copy needed)."""
     if not (Path(path) / "config.json").exists():
         raise FileNotFoundError(f"reference model folder '{path}' is not an HF model folder "
                                 f"(no config.json); set trainer.ref_load to one")
-    model = load_model(path).eval()
+    model = load_model(path, device, dtype).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model

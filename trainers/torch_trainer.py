@@ -3,9 +3,11 @@
 One ``train`` call consumes one rollout batch: old log-probs (and the reference's log-probs
 and the critic's values, when configured) are computed first (slime's "log-prob time"), then
 advantages with ``algorithms.compute_advantages``, then ``ceil(len(batch) / global_batch_size)``
-optimizer steps, each accumulating gradients over micro-batches. The loss terms are in
-``trainers.losses``, the critic in ``trainers.critic``, the reference in ``trainers.reference``;
-formulas and choices: docs/algorithms.md.
+optimizer steps, each accumulating gradients over micro-batches. With a single optimizer step
+(and no KL in the reward) the old log-probs are the grad pass's own, detached: no separate
+forward. The loss terms are in ``trainers.losses``, the critic in ``trainers.critic``, the
+reference in ``trainers.reference``; formulas and choices: docs/algorithms.md. On CUDA
+(``device``/``dtype``): fp32 master weights and AdamW state under bf16 autocast (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from trainers.critic import (
     response_values,
     save_critic,
 )
+from trainers.logprobs import chunked_logprobs, linear_head
 from trainers.losses import micro_weight
 from trainers.reference import load_reference, needs_reference
 
@@ -41,13 +44,27 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def response_logprobs(model: torch.nn.Module, pb: PaddedBatch, temperature: float = 1.0,
-                      with_entropy: bool = False,
-                      entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      with_entropy: bool = False, entropy_grad: bool = True,
+                      vocab_chunk_size: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(y_t | x, y_<t) for every response token: log_softmax(logits / T) gathered at y_t.
 
     Returns ([B, T] log-probs, [B, T] entropy or None); the entropy is detached unless
-    ``entropy_grad`` (it only needs a gradient when entropy_coef != 0).
+    ``entropy_grad`` (it only needs a gradient when entropy_coef != 0). With
+    ``vocab_chunk_size`` (and a plain Linear output head) only the response positions' hidden
+    states go through the head, ``vocab_chunk_size`` vocabulary ids at a time
+    (``trainers.logprobs``): no [B, L, V] logits are ever built.
     """
+    head = linear_head(model) if vocab_chunk_size else None
+    if head is not None:
+        hidden = model.base_model(input_ids=pb.input_ids,
+                                  attention_mask=pb.attention_mask).last_hidden_state
+        idx = pb.response_index[..., None].expand(-1, -1, hidden.shape[-1])
+        logp, entropy = chunked_logprobs(hidden.gather(1, idx), head.weight, pb.response_ids,
+                                         temperature, vocab_chunk_size)
+        if not with_entropy:
+            return logp, None
+        return logp, entropy if entropy_grad else entropy.detach()
     logits = model(input_ids=pb.input_ids, attention_mask=pb.attention_mask).logits
     idx = pb.response_index[..., None].expand(-1, -1, logits.shape[-1])
     resp_logits = logits.gather(1, idx) / temperature
@@ -75,26 +92,51 @@ class TorchTrainer:
 
     def __init__(self, model_dir: str, cfg: TrainerConfig, n_samples_per_prompt: int,
                  rollout_temperature: float = 1.0, weight_version: int = 0, pad_token_id: int = 0,
-                 reference_dir: str | None = None):
+                 reference_dir: str | None = None, device: str = "cpu", dtype: str = "fp32"):
         self.cfg = cfg
+        self.device, self.dtype = device, dtype
         self.model_dir = model_dir
         self.reference_dir = cfg.ref_load or reference_dir or model_dir
         self.n_samples_per_prompt = n_samples_per_prompt
         self.temperature = rollout_temperature
         self.pad_token_id = pad_token_id
-        self.model = load_model(model_dir).train()
+        self.model = self._load_policy(model_dir)
         self.weight_version = weight_version
+        # one optimizer step per rollout: the grad pass's own log-probs are the old ones
+        self.reuse_grad_pass_logprobs = True
         self.optimizer = self._make_optimizer(cfg.lr)
         self.critic: ValueModel | None = None
         self.critic_optimizer: torch.optim.Optimizer | None = None
         self._reference: torch.nn.Module | None = None
 
+    def _load_policy(self, path: str) -> torch.nn.Module:
+        """fp32 master weights on the device (bf16 runs under autocast, ``_compute``)."""
+        model = load_model(path, self.device, "fp32").train()
+        if self.cfg.recompute_granularity == "full":
+            model.config.use_cache = False
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    def _compute(self) -> torch.autocast:
+        """bf16 autocast over fp32 master weights when dtype is bf16 (a no-op for fp32)."""
+        return torch.autocast(device_type=self.device, dtype=torch.bfloat16,
+                              enabled=self.dtype == "bf16")
+
+    def _logprobs(self, model: torch.nn.Module, pb: PaddedBatch, **kw):
+        with self._compute():
+            return response_logprobs(model, pb, self.temperature,
+                                     vocab_chunk_size=self.cfg.vocab_chunk_size, **kw)
+
     def _make_optimizer(self, lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=self.cfg.weight_decay,
-                                 betas=(self.cfg.adam_beta1, self.cfg.adam_beta2))
+                                 betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
+                                 fused=self.device == "cuda" or None)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """The policy's weights as detached views (no copy): a consumer copies what it keeps
+        (``TorchEngine.load_state_dict`` copies into its own parameters)."""
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     # ---- the optional models ----
     @property
@@ -109,7 +151,7 @@ class TorchTrainer:
     def reference(self) -> torch.nn.Module:
         """The frozen reference, loaded from ``reference_dir`` on first use."""
         if self._reference is None:
-            self._reference = load_reference(self.reference_dir)
+            self._reference = load_reference(self.reference_dir, self.device, self.dtype)
         return self._reference
 
     def _critic_betas(self) -> tuple[float, float]:
@@ -119,6 +161,9 @@ class TorchTrainer:
         """The critic; created from the current policy (normally version 0) on first use."""
         if self.critic is None:
             self.critic = ValueModel.from_policy(self.model)
+            if self.cfg.recompute_granularity == "full":
+                self.critic.backbone.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
             self.critic_optimizer = make_critic_optimizer(
                 self.critic, self.cfg.critic_lr or self.cfg.lr, self.cfg.weight_decay,
                 self._critic_betas())
@@ -131,47 +176,65 @@ class TorchTrainer:
         slices, each accumulating gradients over micro-batches of ``micro_batch_size``.
         ``loss_type: sft`` trains the SFT loss on the response tokens instead."""
         cfg = self.cfg
-        pb = pad_batch(batch, self.pad_token_id)
-        rewards = torch.tensor(batch.rewards, dtype=torch.float32)
+        pb = pad_batch(batch, self.pad_token_id).to(self.device)
+        rewards = torch.tensor(batch.rewards, dtype=torch.float32, device=self.device)
         if cfg.use_tis and cfg.loss_type == "policy_loss":
             _check_rollout_logprobs(batch)
         prep = self._prepare_sft(pb, rewards) if cfg.loss_type == "sft" else self._prepare(pb, rewards)
         metrics = self._optimize(pb, prep)
         self.weight_version += 1
         metrics.update(prep.stats)
+        if prep.old_logp is not None:
+            metrics["train_rollout_logprob_abs_diff"] = _masked_abs_diff(
+                prep.old_logp, pb.rollout_logprobs, pb.mask * pb.has_rollout_logprobs[:, None])
         return metrics
+
+    def _old_logprobs_from_grad_pass(self, n: int) -> bool:
+        """True when the policy cannot move between the rollout batch's old-log-prob pass and
+        its grad pass: one optimizer step per batch (n <= global_batch_size) and nothing needs
+        lp_old before that step (KL in the reward does). Then lp_old = lp.detach() of the grad
+        pass itself, which is what the separate no-grad forward would compute (same weights,
+        same rows, same micro-batches): ratio = 1, same loss and gradient, one forward less.
+        Never the engine's log-probs: its weights/numerics may differ (bf16, other kernels)."""
+        kl_in_reward = self.uses_reference and self.cfg.kl_coef > 0
+        return self.reuse_grad_pass_logprobs and n <= self.cfg.global_batch_size \
+            and not kl_in_reward
 
     def _prepare(self, pb: PaddedBatch, rewards: torch.Tensor) -> Prepared:
         """Everything fixed during the optimizer steps: lp_old, lp_ref, V_old, A, returns."""
         cfg = self.cfg
         micro = cfg.micro_batch_size
-        old_logp = _no_grad_chunks(lambda b: response_logprobs(self.model, b, self.temperature)[0],
-                                   pb, micro)
+        from_grad_pass = self._old_logprobs_from_grad_pass(len(pb.mask))
+        old_logp = None if from_grad_pass else _no_grad_chunks(
+            lambda b: self._logprobs(self.model, b)[0], pb, micro)
         ref_logp = values = kl = None
         if self.uses_reference:
             ref = self.reference()
-            ref_logp = _no_grad_chunks(lambda b: response_logprobs(ref, b, self.temperature)[0],
-                                       pb, micro)
+            ref_logp = _no_grad_chunks(lambda b: self._logprobs(ref, b)[0], pb, micro)
             if cfg.kl_coef > 0:
                 kl = alg.compute_approx_kl(old_logp, ref_logp, cfg.kl_loss_type)
         if self.uses_critic:
             critic = self._ensure_critic()
-            values = _no_grad_chunks(lambda b: response_values(
-                critic, b.input_ids, b.attention_mask, b.response_index), pb, micro)
+            values = _no_grad_chunks(lambda b: self._values(critic, b), pb, micro)
         advantages, returns = alg.compute_advantages(
             cfg.advantage_estimator, rewards, pb.mask, self.n_samples_per_prompt, kl=kl,
             values=values, kl_coef=cfg.kl_coef, gamma=cfg.gamma, lambd=cfg.lambd,
             normalize_std=not cfg.disable_grpo_std_normalization,
             normalize_advantages=cfg.normalize_advantages)
         stats = {**_masked_stats("advantage", advantages, pb.mask),
-                 **_masked_stats("return", returns, pb.mask),
-                 "train_rollout_logprob_abs_diff": _masked_abs_diff(
-                     old_logp, pb.rollout_logprobs, pb.mask * pb.has_rollout_logprobs[:, None])}
+                 **_masked_stats("return", returns, pb.mask)}
         if values is not None:
             stats.update(_masked_stats("value", values, pb.mask))
         if kl is not None:
             stats["reward_kl"] = float(alg.masked_mean(kl, pb.mask))
-        return Prepared(pb.mask, old_logp, advantages, returns, ref_logp, values, stats)
+        if from_grad_pass:  # filled by the grad pass, micro-batch by micro-batch
+            old_logp = torch.zeros_like(pb.mask)
+        return Prepared(pb.mask, old_logp, advantages, returns, ref_logp, values, stats,
+                        old_from_grad_pass=from_grad_pass)
+
+    def _values(self, critic: ValueModel, pb: PaddedBatch) -> torch.Tensor:
+        with self._compute():
+            return response_values(critic, pb.input_ids, pb.attention_mask, pb.response_index)
 
     def _prepare_sft(self, pb: PaddedBatch, rewards: torch.Tensor) -> Prepared:
         """SFT on the rollout responses; with ``sft_min_reward`` only samples whose reward
@@ -190,13 +253,13 @@ class TorchTrainer:
         totals: dict[str, float] = {}
         steps = 0
         for start in range(0, n, step_size):
-            step_idx = torch.arange(start, min(start + step_size, n))
+            step_idx = torch.arange(start, min(start + step_size, n), device=self.device)
             step_mask = prep.mask[step_idx]
             self.optimizer.zero_grad(set_to_none=True)
             if self.critic_optimizer is not None:
                 self.critic_optimizer.zero_grad(set_to_none=True)
             for m0 in range(0, len(step_idx), micro):
-                local = torch.arange(m0, min(m0 + micro, len(step_idx)))
+                local = torch.arange(m0, min(m0 + micro, len(step_idx)), device=self.device)
                 idx = step_idx[local]
                 terms = self._micro_step(pb.select(idx), prep, idx,
                                          micro_weight(cfg.loss_aggregation, step_mask, local),
@@ -222,11 +285,13 @@ class TorchTrainer:
         cfg = self.cfg
         mask = prep.mask[idx]
         if cfg.loss_type == "sft":
-            logp, _ = response_logprobs(self.model, mb, self.temperature)
+            logp, _ = self._logprobs(self.model, mb)
             loss, terms = losses.sft_loss(cfg, logp, mask)
         else:
-            logp, entropy = response_logprobs(self.model, mb, self.temperature, with_entropy=True,
-                                              entropy_grad=cfg.entropy_coef != 0)
+            logp, entropy = self._logprobs(self.model, mb, with_entropy=True,
+                                           entropy_grad=cfg.entropy_coef != 0)
+            if prep.old_from_grad_pass:
+                prep.old_logp[idx] = logp.detach()
             loss, terms = losses.policy_loss(
                 cfg, logp, entropy, prep.old_logp[idx], prep.advantages[idx], mask,
                 ref_logp=None if prep.ref_logp is None else prep.ref_logp[idx],
@@ -234,7 +299,7 @@ class TorchTrainer:
         (loss * weight).backward()
         out = {k: float(v) * weight for k, v in terms.items()}
         if self.uses_critic:
-            values = response_values(self.critic, mb.input_ids, mb.attention_mask, mb.response_index)
+            values = self._values(self.critic, mb)
             vloss, vterms = losses.value_loss(cfg, values, prep.old_values[idx],
                                               prep.returns[idx], mask)
             (vloss * token_weight).backward()
@@ -244,9 +309,10 @@ class TorchTrainer:
     # ---- SFT ----
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step of  -mean_t log pi(y_t | x, y_<t)  over masked response tokens."""
-        pb = pad_batch(batch, self.pad_token_id)
+        pb = pad_batch(batch, self.pad_token_id).to(self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        logp, _ = response_logprobs(self.model, pb)
+        with self._compute():
+            logp, _ = response_logprobs(self.model, pb, vocab_chunk_size=self.cfg.vocab_chunk_size)
         loss = alg.sft_loss(logp, pb.mask, "token_mean")
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
@@ -280,12 +346,13 @@ class TorchTrainer:
         tmp.rename(final)
 
     def load(self, checkpoint_dir: str) -> None:
-        self.model = load_model(checkpoint_dir).train()
+        self.model = self._load_policy(checkpoint_dir)
         self.model_dir = checkpoint_dir
         self.optimizer = self._make_optimizer(self.cfg.lr)
         state_path = Path(checkpoint_dir) / STATE_FILE
         if state_path.exists():
-            state = torch.load(state_path, weights_only=False)
+            # on CPU first: the optimizer moves its state to the parameters' device itself
+            state = torch.load(state_path, weights_only=False, map_location="cpu")
             self.optimizer.load_state_dict(state["optimizer"])
             self.weight_version = state["weight_version"]
             torch.set_rng_state(state["torch_rng"])
@@ -295,7 +362,7 @@ class TorchTrainer:
         if critic_path.exists():
             self.critic, self.critic_optimizer = load_critic(
                 critic_path, self.model.config, self.cfg.critic_lr or self.cfg.lr,
-                self.cfg.weight_decay, self._critic_betas())
+                self.cfg.weight_decay, self._critic_betas(), device=self.device)
         else:
             self.critic = self.critic_optimizer = None
 
@@ -311,13 +378,15 @@ class Prepared:
     ref_logp: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     stats: dict[str, float] = field(default_factory=dict)
+    old_from_grad_pass: bool = False  # old_logp is filled by the grad pass itself
 
 
 def _no_grad_chunks(fn, pb: PaddedBatch, chunk: int) -> torch.Tensor:
     """fn over row chunks of ``pb`` without gradients, concatenated along rows."""
     n = len(pb.mask)
     with torch.no_grad():
-        return torch.cat([fn(pb.select(torch.arange(s, min(s + chunk, n))))
+        return torch.cat([fn(pb.select(torch.arange(s, min(s + chunk, n),
+                                                    device=pb.mask.device)))
                           for s in range(0, n, chunk)])
 
 

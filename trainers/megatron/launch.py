@@ -59,6 +59,9 @@ def _worker(rank: int, world: int, port: int, threads: int, config: Any, model_d
                 result = getattr(trainer, args[0])
             else:
                 result = getattr(trainer, name)(*args)
+            if name == "hf_state_dict" and result is not None:
+                # CPU copies: views of live parameters must not cross the queue (shared memory)
+                result = {k: v.to("cpu", copy=True) for k, v in result.items()}
             outbox.put(("ok", result if rank == 0 else None))
         except Exception:
             outbox.put(("err", traceback.format_exc()))

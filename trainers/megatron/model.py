@@ -21,6 +21,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def process_group_backend(cuda_available: bool) -> str:
+    """nccl whenever the ranks hold CUDA tensors (gloo cannot all-reduce them: megatron's DDP
+    fails at its first step), gloo on CPU; for every world size, one included."""
+    return "nccl" if cuda_available else "gloo"
+
+
 def init_distributed(tp_size: int = 1, pp_size: int = 1, seed: int = 1234) -> None:
     """Join (or create, single-process) the default process group and megatron's TP/PP/DP groups.
 
@@ -29,20 +35,20 @@ def init_distributed(tp_size: int = 1, pp_size: int = 1, seed: int = 1234) -> No
     """
     from megatron.core import parallel_state as ps
 
+    cuda = torch.cuda.is_available()
+    backend = process_group_backend(cuda)
+    if not torch.distributed.is_initialized() and cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
         # a world of one needs no rendezvous: an in-memory store, no TCP port to race for
-        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(),
                                              rank=0, world_size=1)
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         rank = int(os.environ.get("RANK", "0"))
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=rank,
-                                             world_size=world)
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world)
     world = torch.distributed.get_world_size()
     if world % (tp_size * pp_size):
         raise ValueError(f"world size {world} is not a multiple of tensor_model_parallel_size"

@@ -68,7 +68,9 @@ def write_hf_checkpoint(hf_state: dict[str, torch.Tensor], source_dir: str, out_
         if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.name != \
                 "model.safetensors.index.json":
             shutil.copy(f, out_dir / f.name)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in hf_state.items()},
+    # copy=True: hf_state may hold views of live (or one shared) storage; safetensors wants
+    # each tensor in memory of its own
+    save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in hf_state.items()},
               str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -110,7 +112,7 @@ class MegatronTrainer:
 
     def __init__(self, config: Any, model_dir: str, n_samples_per_prompt: int | None = None,
                  rollout_temperature: float | None = None, weight_version: int = 0,
-                 pad_token_id: int = 0, seed: int = 1234) -> None:
+                 pad_token_id: int = 0, seed: int = 1234, dtype: str | None = None) -> None:
         from megatron.core import parallel_state as ps
 
         self.cfg = config
@@ -139,8 +141,9 @@ class MegatronTrainer:
         from transformers import AutoConfig
         self.hf_config = AutoConfig.from_pretrained(model_dir)
         self.shape = ModelShape.from_hf_config(self.hf_config)
-        self.dtype = torch.bfloat16 if self.on_gpu and cfg_get(config, "bf16", False) \
-            else torch.float32
+        # dtype: the run's resolved dtype (fp32|bf16); None keeps the config's legacy ``bf16``
+        bf16 = dtype == "bf16" if dtype is not None else bool(cfg_get(config, "bf16", False))
+        self.dtype = torch.bfloat16 if self.on_gpu and bf16 else torch.float32
         self.model = build_gpt_model(self.shape, self.tp, self.pp, self.dtype)
         self._load_weights(self.model, model_dir)
         self.ref_model = None
@@ -172,26 +175,49 @@ class MegatronTrainer:
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg_get(cfg, "weight_decay", 0.0),
             betas=(cfg_get(cfg, "adam_beta1", 0.9), cfg_get(cfg, "adam_beta2", 0.99)))
 
-    def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's megatron weights (no ``_extra_state``), detached CPU copies."""
+    def local_state_dict(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """This rank's megatron weights (no ``_extra_state``): detached CPU copies, or with
+        ``copy=False`` detached views where they live (the GPU)."""
         target = getattr(self.model, "module", self.model)
-        return {k: v.detach().to("cpu").clone() for k, v in target.state_dict().items()
+        return {k: v.detach().to("cpu").clone() if copy else v.detach()
+                for k, v in target.state_dict().items()
                 if not k.endswith("_extra_state") and isinstance(v, torch.Tensor)}
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The full HF state dict, gathered from every TP/PP shard onto global rank 0
-        (None on other ranks). Collective: every rank must call it."""
-        local = (self.pp_rank, self.tp_rank, self.dp_rank, self.local_state_dict())
-        parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 \
-            else None
-        dist.gather_object(local, parts, dst=0)
-        if parts is None:
+        (None on other ranks), on this rank's device. Collective: every rank must call it.
+        Only names/shapes travel as objects; each shard's tensors travel as one flat byte
+        tensor per rank (``weight_transfer.pack``: send/recv, NCCL on GPU), not pickled."""
+        from trainers.weight_transfer import TensorMeta, pack, packed_size, unpack
+
+        local = self.local_state_dict(copy=False)
+        metas = [TensorMeta(k, tuple(v.shape), str(v.dtype).removeprefix("torch."))
+                 for k, v in local.items()]
+        mine = (self.pp_rank, self.tp_rank, self.dp_rank, [(m.name, m.shape, m.dtype)
+                                                           for m in metas])
+        rank = dist.get_rank()
+        heads: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(mine, heads, dst=0)
+        if rank != 0:
+            if self.dp_rank == 0:
+                dist.send(pack(list(local.values()), self._device), dst=0)
             return None
+        shards: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        for src, (pp_rank, tp_rank, dp_rank, entries) in enumerate(heads):
+            if dp_rank != 0:
+                continue
+            if src == 0:
+                shards[(pp_rank, tp_rank)] = local
+                continue
+            theirs = [TensorMeta(n, tuple(s), d) for n, s, d in entries]
+            flat = torch.empty(packed_size(theirs), dtype=torch.uint8,
+                               device=self._device)
+            dist.recv(flat, src=src)
+            shards[(pp_rank, tp_rank)] = unpack(flat, theirs)
         out: dict[str, torch.Tensor] = {}
         for pp_rank in range(self.pp):
-            shards = sorted((p for p in parts if p[0] == pp_rank and p[2] == 0),
-                            key=lambda p: p[1])
-            out.update(megatron_to_hf([s[3] for s in shards], self.shape, pp_rank, self.pp))
+            out.update(megatron_to_hf([shards[(pp_rank, t)] for t in range(self.tp)],
+                                      self.shape, pp_rank, self.pp))
         return out
 
     # ---- log-probs ----
