@@ -188,7 +188,7 @@ class EmbeddedServer:
     def wait(self, timeout_s: float | None = None) -> str:
         """Block until the server answers (spawning it first if another process held the
         lock); returns its API URL. The limit is Prefect's own setting for its embedded server
-        (``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS``; infra/env.py sets 120 s)."""
+        (``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS``; infra/env.py sets 300 s)."""
         if timeout_s is None:
             timeout_s = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 180))
         if self.proc is None:
