@@ -32,7 +32,9 @@ SMALL = ["--set", "rollout.rollout_batch_size=32", "--set", "rollout.n_samples_p
 def rlake(repo: Path, args: list[str], home: Path) -> float:
     """Run the CLI from ``repo``; returns the launch time (epoch seconds)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PYTHONPATH=str(repo), OMP_NUM_THREADS="1", PREFECT_HOME=str(home / "prefect"))
+    env.update(PYTHONPATH=str(repo), OMP_NUM_THREADS="1", PREFECT_HOME=str(home / "prefect"),
+               # a loaded machine: the old code's embedded server gave up after 120 s here
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="900")
     start = time.time()
     proc = subprocess.run([sys.executable, "-m", "infra.cli", *args], cwd=repo, env=env,
                           capture_output=True, text=True, timeout=1800)

@@ -35,8 +35,8 @@ _STATE = {"iteration": -1}
 
 
 def parse_faults(spec: str | None) -> dict[str, int | None]:
-    """``"a:3,b"`` -> {"a": 3, "b": None} (None: any iteration); an unknown point or a bad
-    iteration is a ValueError."""
+    """``"a:3,b"`` -> {"a": 3, "b": None} (None: a startup point, no iteration); an unknown
+    point or a bad iteration is a ValueError."""
     out: dict[str, int | None] = {}
     for item in (spec or "").split(","):
         item = item.strip()
@@ -46,7 +46,7 @@ def parse_faults(spec: str | None) -> dict[str, int | None]:
         if name not in POINTS and name not in STARTUP_POINTS:
             raise ValueError(f"{ENV}: unknown fault point '{name}'; known: "
                              f"{', '.join([*STARTUP_POINTS, *POINTS])}")
-        if not colon:
+        if not colon and name in STARTUP_POINTS:
             out[name] = None
             continue
         if not it.strip().lstrip("-").isdigit():

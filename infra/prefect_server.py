@@ -185,9 +185,12 @@ class EmbeddedServer:
             self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)  # noqa: PLW1509
 
-    def wait(self, timeout_s: float = 180.0) -> str:
+    def wait(self, timeout_s: float | None = None) -> str:
         """Block until the server answers (spawning it first if another process held the
-        lock); returns its API URL."""
+        lock); returns its API URL. The limit is Prefect's own setting for its embedded server
+        (``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS``; infra/env.py sets 300 s)."""
+        if timeout_s is None:
+            timeout_s = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 180))
         if self.proc is None:
             self._try_lock(blocking=True)
             self._spawn()

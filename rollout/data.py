@@ -109,8 +109,7 @@ def load_prompt_file(spec: str, input_key: str = "prompt", label_key: str | None
     for row, (where, raw) in indexed:
         if not isinstance(raw, dict):
             raise ValueError(f"{where}: expected a JSON object, got {type(raw).__name__}")
-        records.append({**_record(where, raw, row, input_key, label_key, metadata_key, tool_key),
-                        "where": where})
+        records.append(_record(where, raw, row, input_key, label_key, metadata_key, tool_key))
     if not records:
         raise ValueError(f"prompt data '{spec}' is empty")
     return records
@@ -175,6 +174,15 @@ def prompt_tokens_over(tokenizer, text: str, limit: int) -> int | None:
     return None
 
 
+def locate(source: str, row: int) -> str:
+    """``file:line N`` (or ``file:row N``) of row ``row`` of a prompt file; ``source: record N``
+    for built-in data. Reads the file again: only errors need it."""
+    path = Path(parse_data_path(source)[0])
+    if source.startswith("builtin:") or not path.exists():
+        return f"{source}: record {row}"
+    return _raw_rows(path)[row][0]
+
+
 def check_prompt_lengths(records: list[dict], tokenizer, limit: int, apply_chat_template: bool,
                          source: str) -> None:
     """A ValueError naming the file and line of the first prompt over ``limit`` tokens."""
@@ -182,7 +190,7 @@ def check_prompt_lengths(records: list[dict], tokenizer, limit: int, apply_chat_
         text = render_prompt(tokenizer, rec["prompt"], apply_chat_template, rec.get("tools"))
         n = prompt_tokens_over(tokenizer, text, limit)
         if n is not None:
-            where = rec.get("where") or f"{source}: record {rec.get('row', i)}"
+            where = locate(source, rec.get("row", i))
             raise ValueError(f"{where}: prompt has {'at least ' if len(text) > limit * 16 else ''}"
                              f"{n} tokens, more than data.max_prompt_tokens={limit} (default: the "
                              "model's context less rollout_max_response_len); set "
