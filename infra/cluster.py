@@ -65,12 +65,33 @@ def ensure_bootstrap_guard(path: Path | None = None) -> Path:
     return path
 
 
-def prepare_ray() -> Path:
-    """The guard + the environment Ray processes inherit; call before anything starts Ray."""
+def is_loopback(address: str | None) -> bool:
+    """``local``, or an address whose host is 127.0.0.1 / localhost."""
+    if address in (None, "local"):
+        return True
+    host = address.removeprefix("ray://").rsplit(":", 1)[0]
+    return host in ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def prepare_ray(loopback: bool = True) -> Path:
+    """The guard + the environment Ray processes inherit; call before anything starts Ray.
+
+    ``loopback``: keep every Ray address on 127.0.0.1. Ray otherwise swaps 127.0.0.1 for the
+    machine's interface address (``services.resolve_ip_for_localhost``) unless
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, which Ray reads when it is first imported: so this
+    must run before ``import ray``."""
     path = ensure_bootstrap_guard()
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
+    if loopback:
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        import sys
+
+        constants = sys.modules.get("ray._private.ray_constants")
+        if constants is not None and constants.ENABLE_RAY_CLUSTER:
+            raise RuntimeError("ray was imported before infra.cluster.prepare_ray: it would use "
+                               "the machine's address instead of 127.0.0.1")
     return path
 
 
@@ -116,7 +137,7 @@ def connect(cfg_cluster: ClusterConfig, user: str, num_cpus: int | None = None) 
     if current is not None:
         current.users.append(user)
         return current
-    prepare_ray()
+    prepare_ray(loopback=is_loopback(cfg_cluster.ray_address))
     import ray
 
     if ray.is_initialized():  # someone else (a test, a notebook) started Ray: use it, never stop it
