@@ -24,6 +24,7 @@ afresh (another engine, another seed).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -190,15 +191,14 @@ class RayEnginePool:
         inflight: dict[Any, tuple[int, int, int, int]] = {}
 
         def send(start: int, stop: int, attempt: int, exclude: int | None = None) -> None:
-            engines = [k for k in self.live() if k != exclude] or self.live()
+            engines = [k for k in self.live() if k != exclude and (k not in self._stale or self._revive(k))]
+            if not engines and exclude is not None and self.alive[exclude] and self._revive(exclude):
+                engines = [exclude]
             if not engines:
                 raise RuntimeError(f"{self.name}: every engine actor is dead (restarts exhausted)")
             for k, (a, b) in zip(engines, group_shares(stop - start, self.group_size, len(engines)),
                                  strict=True):
                 if b > a:
-                    if k in self._stale and self._weights is not None:
-                        self._push(k)  # same caller, so it runs before the generate below
-                        self._stale.discard(k)
                     seed = engine_seed(base, k, attempt)
                     ref = self.actors[k].generate.remote(prompts[start + a:start + b],
                                                          replace(sampling, seed=seed))
@@ -219,6 +219,25 @@ class RayEnginePool:
                 self._engine_failed(k)
                 send(a, b, attempt + 1, exclude=k)
         return results  # type: ignore[return-value]
+
+    def _revive(self, k: int) -> bool:
+        """Wait for a failed engine's restart (calls to an actor Ray is restarting fail), then
+        give it the current weights; False (and the engine is out) if it does not come back
+        within ``cluster.placement_timeout_s``."""
+        import ray
+
+        deadline = time.monotonic() + self.cluster.placement_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                ray.get(self.actors[k].ready.remote(), timeout=self.cluster.placement_timeout_s)
+                if self._weights is not None:
+                    ray.get(self._push(k))
+                self._stale.discard(k)
+                return True
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                time.sleep(0.5)
+        self.alive[k] = False
+        return False
 
     def _engine_failed(self, k: int) -> None:
         """Count a failed call; past ``max_engine_restarts + 1`` in a row the engine is out."""
