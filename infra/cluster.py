@@ -144,7 +144,7 @@ def connect(cfg_cluster: ClusterConfig, user: str, num_cpus: int | None = None) 
         conn = RayConnection(address="existing", owns_init=False, users=[user])
     elif cfg_cluster.ray_address == "local":
         want = max(os.cpu_count() or 1, cfg_cluster.num_cpus or 0, num_cpus or 0)
-        ray.init(num_cpus=want, include_dashboard=False, namespace=NAMESPACE,
+        ray.init(address="local", num_cpus=want, include_dashboard=False, namespace=NAMESPACE,
                  _node_ip_address="127.0.0.1", log_to_driver=True,
                  logging_level="WARNING", configure_logging=True)
         conn = RayConnection(address="local", owns_init=True, users=[user])

@@ -261,7 +261,7 @@ def test_two_engines_on_the_second_node_learn_through_an_engine_death(tmp_path, 
     """The quickstart from the shared SFT warm-up, 2 engine actors on the engine node, one of
     them killed in its 3rd call (mid-rollout of iteration 1): the run completes, the lake holds
     every group once, and held-out accuracy rises beyond noise."""
-    home, iterations = tmp_path / "home", 30
+    home, iterations = tmp_path / "home", 40
     args = ["run", "configs/quickstart.yaml"]
     for s in [f"home={home}", "run_id=ray2", f"num_rollout={iterations}",
               f"eval.eval_interval={iterations}", f"model.path={warm_model['checkpoint']}",
@@ -281,9 +281,11 @@ def test_two_engines_on_the_second_node_learn_through_an_engine_death(tmp_path, 
     evals = lake.read("evals", run_id="ray2").to_pylist()
     acc = {e["weight_version"]: e["value"] for e in evals if e["metric"] == "accuracy"}
     assert set(acc) == {0, iterations}, acc
-    # 500 held-out problems: one accuracy's standard error is <= 0.023; 3 SE of the difference
-    # of two independent ones is ~0.1, paired on the same problems less: require 0.06
-    assert acc[iterations] > acc[0] + 0.06, acc
+    # 3 standard errors of the difference of two accuracies on n held-out problems, taken as
+    # independent (conservative: they are the same problems)
+    n = 500
+    se = ((acc[0] * (1 - acc[0]) + acc[iterations] * (1 - acc[iterations])) / n) ** 0.5
+    assert acc[iterations] - acc[0] > 3 * se, (acc, se)
 
 
 @pytest.mark.slow

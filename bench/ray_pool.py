@@ -3,7 +3,7 @@ and what Ray adds per iteration: an actor call's round trip, a weight hand-off t
 object store, and the pool's overhead over one in-process engine. Prints figures and one JSON
 line; never passes or fails on time.
 
-    PYTHONPATH=. /work/main/.venv/bin/python bench/ray.py --groups 32 --group-size 8 --repeats 3
+    PYTHONPATH=. /work/main/.venv/bin/python bench/ray_pool.py --groups 32 --group-size 8 --repeats 3
 
 Starts a local Ray on 127.0.0.1 behind rlake's guard (infra/cluster.py) and shuts it down.
 """
@@ -79,7 +79,7 @@ def main() -> None:
         try:
             for n in (1, 2):
                 pools[n] = RayStateDictEnginePool(build, "torch", n, args.group_size, cluster, 0,
-                                                  ray_cpus=2)
+                                                  ray_cpus=3)  # both pools at once
                 if n == 1:
                     out["ray_start_and_first_pool_s"] = time.perf_counter() - t0
                 out[f"ray_{n}_engines_s"] = timed(lambda p=pools[n]: p.generate(prompts, sampling),
