@@ -256,6 +256,29 @@ def _lake_invariants(lake: Lake, run_id: str) -> list[dict]:
 
 
 @pytest.mark.slow
+def test_a_dead_trainer_actor_fails_the_iteration_and_resume_continues(tmp_path, cli, cluster):
+    home = tmp_path / "home"
+    base = ["--set", f"home={home}", "--set", "sft.enabled=false", "--set", f"cluster.ray_address={cluster['address']}",
+            "--set", "num_rollout=3", "--set", "eval.eval_interval=100",
+            "--set", "rollout.rollout_batch_size=8"]
+    env = {"PREFECT_HOME": str(home / "prefect")}
+    proc = cli(["run", "configs/quickstart.yaml", "--run-id", "deadtrainer", *base],
+               env={**env, "RLAKE_TRAINER_FAULT": "2"}, check=False)
+    assert proc.returncode != 0
+    assert "trainer actor died" in proc.stdout + proc.stderr
+    lake = Lake(str(home / "lake"))
+    steps = lake.read("train_steps", run_id="deadtrainer").to_pylist()
+    assert [s["iteration"] for s in steps] == [0]  # iteration 1 failed before its commit
+    cli(["resume", "deadtrainer", "--home", str(home)], env=env)
+    steps = lake.read("train_steps", run_id="deadtrainer").to_pylist()
+    assert sorted(s["iteration"] for s in steps) == [0, 1, 2]
+    assert sorted(s["weight_version"] for s in steps) == [1, 2, 3]
+    train = [r for r in lake.read("trajectories", run_id="deadtrainer").to_pylist() if r["kind"] == "train"]
+    assert len({r["sample_uid"] for r in train}) == len(train) == 3 * 8 * 8
+    assert json.loads(lake.get_run("deadtrainer")["config"])["cluster"]["ray_address"] == cluster["address"]
+
+
+@pytest.mark.slow
 def test_two_engines_on_the_second_node_learn_through_an_engine_death(tmp_path, cli, cluster,
                                                                       warm_model):
     """The quickstart from the shared SFT warm-up, 2 engine actors on the engine node, one of
@@ -286,28 +309,3 @@ def test_two_engines_on_the_second_node_learn_through_an_engine_death(tmp_path, 
     n = 500
     se = ((acc[0] * (1 - acc[0]) + acc[iterations] * (1 - acc[iterations])) / n) ** 0.5
     assert acc[iterations] - acc[0] > 3 * se, (acc, se)
-
-
-@pytest.mark.slow
-def test_a_dead_trainer_actor_fails_the_iteration_and_resume_continues(tmp_path, cli, cluster,
-                                                                      warm_model):
-    home = tmp_path / "home"
-    base = ["--set", f"home={home}", "--set", f"model.path={warm_model['checkpoint']}",
-            "--set", "sft.enabled=false", "--set", f"cluster.ray_address={cluster['address']}",
-            "--set", "num_rollout=3", "--set", "eval.eval_interval=100",
-            "--set", "rollout.rollout_batch_size=8"]
-    env = {"PREFECT_HOME": str(home / "prefect")}
-    proc = cli(["run", "configs/quickstart.yaml", "--run-id", "deadtrainer", *base],
-               env={**env, "RLAKE_TRAINER_FAULT": "2"}, check=False)
-    assert proc.returncode != 0
-    assert "trainer actor died" in proc.stdout + proc.stderr
-    lake = Lake(str(home / "lake"))
-    steps = lake.read("train_steps", run_id="deadtrainer").to_pylist()
-    assert [s["iteration"] for s in steps] == [0]  # iteration 1 failed before its commit
-    cli(["resume", "deadtrainer", "--home", str(home)], env=env)
-    steps = lake.read("train_steps", run_id="deadtrainer").to_pylist()
-    assert sorted(s["iteration"] for s in steps) == [0, 1, 2]
-    assert sorted(s["weight_version"] for s in steps) == [1, 2, 3]
-    train = [r for r in lake.read("trajectories", run_id="deadtrainer").to_pylist() if r["kind"] == "train"]
-    assert len({r["sample_uid"] for r in train}) == len(train) == 3 * 8 * 8
-    assert json.loads(lake.get_run("deadtrainer")["config"])["cluster"]["ray_address"] == cluster["address"]

@@ -71,7 +71,6 @@ class RayTrainer:
 
     def __init__(self, build: Callable[[], Trainer], cluster: ClusterConfig,
                  ray_cpus: int | None = None) -> None:
-        self.__dict__["_ready"] = False
         self.connection = connect(cluster, "trainer", num_cpus=ray_cpus)
         import ray
 
@@ -84,7 +83,6 @@ class RayTrainer:
             **env)).remote(build)
         self._kinds = self._get(self.actor.describe.remote())
         self._version = self._get(self.actor.get.remote("weight_version"))
-        self.__dict__["_ready"] = True
 
     def _get(self, ref: Any) -> Any:
         import ray
