@@ -122,7 +122,8 @@ def cluster():
 
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "node_ip_address": "127.0.0.1", "include_dashboard": False})
-    node2 = c.add_node(num_cpus=2, node_ip_address="127.0.0.1", resources={ENGINE_RESOURCE: 2})
+    # 4 logical CPUs: the two engines fit there even when the trainer actor lands there too
+    node2 = c.add_node(num_cpus=4, node_ip_address="127.0.0.1", resources={ENGINE_RESOURCE: 2})
     c.wait_for_nodes()
     assert c.address.startswith("127.0.0.1:"), c.address
     ray.init(address=c.address, namespace="rlake-test")
