@@ -99,6 +99,9 @@ class RolloutConfig(_Section):
         None, ge=1, description="engine calls generate at most this many tokens, then groups are "
                                 "checked (and the rest aborted once enough are kept)")
     partial_rollout: bool = Field(False, description="keep aborted samples, continue them next iteration")
+    num_engines: int = Field(1, ge=1, description="engines as Ray actors (> 1 needs cluster.ray_address)")
+    num_cpus_per_engine: float = Field(1.0, ge=0, description="Ray CPUs per engine actor")
+    rollout_num_gpus_per_engine: float = Field(0.0, ge=0, description="Ray GPUs per engine actor (slime)")
     mask_offpolicy_in_partial_rollout: bool = Field(
         False, description="loss_mask 0 on tokens an older policy generated")
 
@@ -231,6 +234,30 @@ class EvalConfig(_Section):
         return self
 
 
+class ClusterConfig(_Section):
+    """Ray (docs/cluster.md). ``ray_address``: null = no Ray at all; ``local`` = start one on
+    127.0.0.1; anything else = join that cluster (``HOST:PORT`` or ``ray://HOST:PORT``)."""
+
+    ray_address: str | None = None
+    num_cpus: int | None = Field(None, ge=1, description="local Ray: logical CPUs (default: enough)")
+    trainer_on_ray: bool = Field(True, description="with Ray: the trainer runs as a Ray actor")
+    trainer_num_cpus: float = Field(1.0, ge=0)
+    trainer_num_gpus: float = Field(0.0, ge=0)
+    engine_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each engine needs (places engines)")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    max_engine_restarts: int = Field(3, ge=0, description="Ray restarts of a dead engine actor")
+    placement_timeout_s: float = Field(120.0, gt=0)
+    engine_call_timeout_s: float = Field(1800.0, gt=0, description="one engine call; then it fails")
+
+    @field_validator("ray_address")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must be null (no Ray), 'local', or a cluster address HOST:PORT")
+        return value
+
+
 class RunConfig(_Section):
     """The whole run. ``home`` holds everything a run writes; ``lake_uri`` defaults under it."""
 
@@ -255,6 +282,14 @@ class RunConfig(_Section):
     trainer: TrainerConfig = TrainerConfig()
     sft: SFTConfig = SFTConfig()
     eval: EvalConfig = EvalConfig()
+    cluster: ClusterConfig = ClusterConfig()
+
+    @model_validator(mode="after")
+    def _engines_need_ray(self) -> RunConfig:
+        if self.rollout.num_engines > 1 and self.cluster.ray_address is None:
+            raise ValueError(f"rollout.num_engines={self.rollout.num_engines} needs Ray: set "
+                             "cluster.ray_address to 'local' or a cluster address (or num_engines: 1)")
+        return self
 
     @property
     def resolved_lake_uri(self) -> str:

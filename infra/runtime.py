@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from buffer import Lake
+from infra.cluster import required_cpus
 from infra.config import RunConfig, config_from_dict
 from infra.modeling import build_tiny_model, load_tokenizer, placement
 from infra.startup import new_run_id  # noqa: F401 - re-exported (flows.replay)
@@ -126,11 +128,17 @@ def _make_engine(cfg: RunConfig, model_dir: Path, tokenizer, version: int) -> Ro
         from rollout.torch_engine import TorchEngine
 
         device, dtype = placement(cfg.device, cfg.dtype)
-        return TorchEngine(str(model_dir), tokenizer.eos_token_id, tokenizer.pad_token_id,
-                           weight_version=version, seed=cfg.seed, device=device, dtype=dtype)
-    from rollout.sglang import SGLangEngine
+        build = partial(TorchEngine, str(model_dir), tokenizer.eos_token_id, tokenizer.pad_token_id,
+                        weight_version=version, seed=cfg.seed, device=device, dtype=dtype)
+    else:
+        from rollout.sglang import SGLangEngine
 
-    return SGLangEngine.from_config(cfg, str(model_dir), weight_version=version)
+        build = partial(SGLangEngine.from_config, cfg, str(model_dir), weight_version=version)
+    if cfg.cluster.ray_address is None:
+        return build()
+    from rollout.ray_engines import make_engine_pool
+
+    return make_engine_pool(build, cfg, version, required_cpus(cfg))
 
 
 def _make_trainer(cfg: RunConfig, model_dir: Path, tokenizer, version: int,
@@ -139,16 +147,21 @@ def _make_trainer(cfg: RunConfig, model_dir: Path, tokenizer, version: int,
     if cfg.trainer.backend == "megatron":
         from trainers.megatron.launch import make_megatron_trainer
 
-        return make_megatron_trainer(cfg.trainer, str(model_dir),
-                                     n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
-                                     rollout_temperature=cfg.rollout.rollout_temperature,
-                                     weight_version=version, pad_token_id=tokenizer.pad_token_id,
-                                     dtype=dtype)
-    return TorchTrainer(str(model_dir), cfg.trainer, cfg.rollout.n_samples_per_prompt,
+        build = partial(make_megatron_trainer, cfg.trainer, str(model_dir),
+                        n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+                        rollout_temperature=cfg.rollout.rollout_temperature,
+                        weight_version=version, pad_token_id=tokenizer.pad_token_id, dtype=dtype)
+    else:
+        build = partial(TorchTrainer, str(model_dir), cfg.trainer, cfg.rollout.n_samples_per_prompt,
                         cfg.rollout.rollout_temperature, weight_version=version,
                         pad_token_id=tokenizer.pad_token_id,
                         reference_dir=str(reference_dir) if reference_dir else None,
                         device=device, dtype=dtype)
+    if cfg.cluster.ray_address is None or not cfg.cluster.trainer_on_ray:
+        return build()
+    from trainers.ray_trainer import RayTrainer
+
+    return RayTrainer(build, cfg.cluster, ray_cpus=required_cpus(cfg))
 
 
 def _task_data(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, list[dict]]:

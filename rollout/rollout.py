@@ -78,6 +78,8 @@ def generate_samples(engine: RolloutEngine, tokenizer, samples: list[Sample],
             sample.finish_reason = res.finish_reason
             sample.weight_version = engine.weight_version
             sample.weight_versions = [*sample.weight_versions, engine.weight_version]
+            if "engine" in res.meta:  # an engine pool names the member that generated it
+                sample.engine = res.meta["engine"]
             sample.status = status_after(res.finish_reason, sample.response_length,
                                          sampling.max_new_tokens)
     return samples

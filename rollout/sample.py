@@ -3,8 +3,8 @@
 A Sample maps one-to-one onto a row of the lake's ``trajectories`` table
 (see ``buffer.schema``): ``Sample.to_row`` / ``Sample.from_row`` are the only bridge. slime's
 fields without a column of their own (``weight_versions``, ``remove_sample``, ``train_metadata``,
-``session_id``, ``non_generation_time``, ``generate_function_path``, a chat-message prompt) travel
-in the JSON ``metadata`` column under the reserved key ``"_sample"``; ``from_row`` takes them
+``session_id``, ``non_generation_time``, ``generate_function_path``, ``engine``, a chat-message
+prompt) travel in the JSON ``metadata`` column under the reserved key ``"_sample"``; ``from_row`` takes them
 back out, so ``from_row(to_row(s)) == s``.
 """
 
@@ -58,6 +58,7 @@ class Sample:
     session_id: str | None = None
     non_generation_time: float = 0.0
     generate_function_path: str | None = None
+    engine: str | None = None  # the engine that generated it, when it is not the run's engine
 
     @property
     def tokens(self) -> list[int]:
@@ -94,7 +95,7 @@ class Sample:
             "status": Status(self.status).value,
             "finish_reason": self.finish_reason,
             "metadata": json.dumps(metadata, default=str),
-            "engine": engine,
+            "engine": self.engine or engine,
             "data_source": self.data_source,
             "row": self.row,
         }
@@ -153,4 +154,5 @@ def sample_uid(run_id: str, iteration: int, index: int, kind: str = "train") -> 
 SAMPLE_KEY = "_sample"
 _EXTRA_DEFAULTS: dict[str, Any] = {"weight_versions": [], "remove_sample": False,
                                    "train_metadata": None, "session_id": None,
-                                   "non_generation_time": 0.0, "generate_function_path": None}
+                                   "non_generation_time": 0.0, "generate_function_path": None,
+                                   "engine": None}

@@ -1,0 +1,188 @@
+"""Ray for rlake: the no-probe guard, starting or joining a cluster, placement groups.
+
+Ray is imported only here and in the modules that place actors (rollout/ray_engines.py,
+trainers/ray_trainer.py), and only when ``cluster.ray_address`` is set: the embedded default
+never imports it.
+
+The guard. Ray's dashboard (its usage-stats module runs even with usage stats off) reads
+``~/ray_bootstrap_config.yaml`` (``$HOME`` of the process starting the head) to learn the cloud
+provider; when that file is missing it asks the cloud-metadata addresses (169.254.169.254,
+metadata.google.internal) instead (``ray._common.usage.usage_lib.get_cluster_config_to_report``).
+A file with ``provider: {type: local}`` answers the question, so nothing is asked. A cluster not
+started by ``ray.init`` (``ray start``, ``ray.cluster_utils.Cluster``) also sends a "usage stats
+disabled" note to usage-stats.ray.io; ``RAY_USAGE_STATS_REPORT_URL`` points that at 127.0.0.1.
+Both must hold before any Ray process starts: ``prepare_ray`` does it, and every start goes
+through it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from infra.config import ClusterConfig, RunConfig
+
+BOOTSTRAP_NAME = "ray_bootstrap_config.yaml"
+LOCAL_PROVIDER = {"provider": {"type": "local"}}
+# environment every Ray process must inherit (set before Ray starts; a value the user set wins,
+# except usage stats, which stay off)
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/",  # discard port: the note goes nowhere
+}
+NAMESPACE = "rlake"
+
+
+def bootstrap_path() -> Path:
+    """Where Ray's dashboard looks: ``os.path.expanduser('~/ray_bootstrap_config.yaml')``."""
+    return Path(os.path.expanduser(f"~/{BOOTSTRAP_NAME}"))
+
+
+def ensure_bootstrap_guard(path: Path | None = None) -> Path:
+    """Make sure the bootstrap config exists and names a provider; write
+    ``provider: {type: local}`` if it is missing. An existing file (a real autoscaler cluster's)
+    is kept as it is, but one without ``provider.type`` is an error: Ray would probe then."""
+    path = path or bootstrap_path()
+    if path.exists():
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise RuntimeError(f"{path}: not valid YAML ({err}); Ray would probe cloud metadata") from None
+        provider = data.get("provider") if isinstance(data, dict) else None
+        if not isinstance(provider, dict) or not provider.get("type"):
+            raise RuntimeError(f"{path} has no provider.type: Ray would probe cloud-metadata "
+                               "addresses; add 'provider: {type: local}' to it")
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("# written by rlake (infra/cluster.py): tells Ray's dashboard the provider, so\n"
+                   "# it never asks cloud-metadata addresses\n" + yaml.safe_dump(LOCAL_PROVIDER))
+    os.replace(tmp, path)
+    return path
+
+
+def is_loopback(address: str | None) -> bool:
+    """``local``, or an address whose host is 127.0.0.1 / localhost."""
+    if address in (None, "local"):
+        return True
+    host = address.removeprefix("ray://").rsplit(":", 1)[0]
+    return host in ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def prepare_ray(loopback: bool = True) -> Path:
+    """The guard + the environment Ray processes inherit; call before anything starts Ray.
+
+    ``loopback``: keep every Ray address on 127.0.0.1. Ray otherwise swaps 127.0.0.1 for the
+    machine's interface address (``services.resolve_ip_for_localhost``) unless
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, which Ray reads when it is first imported: so this
+    must run before ``import ray``."""
+    path = ensure_bootstrap_guard()
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    for key, value in RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    if loopback:
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        import sys
+
+        constants = sys.modules.get("ray._private.ray_constants")
+        if constants is not None and constants.ENABLE_RAY_CLUSTER:
+            raise RuntimeError("ray was imported before infra.cluster.prepare_ray: it would use "
+                               "the machine's address instead of 127.0.0.1")
+    return path
+
+
+@dataclass
+class RayConnection:
+    """This process's use of Ray: ``release`` shuts Ray down when the last user lets go and
+    rlake was the one that called ``ray.init``."""
+
+    address: str
+    owns_init: bool
+    users: list[str] = field(default_factory=list)
+
+    def release(self, user: str) -> None:
+        if user in self.users:
+            self.users.remove(user)
+        if not self.users and self.owns_init:
+            import ray
+
+            ray.shutdown()
+            _CONNECTION.pop("current", None)
+
+
+# Ray's driver state is per process (ray.init is global), so the connection is too.
+_CONNECTION: dict[str, RayConnection] = {}
+
+
+def required_cpus(cfg: RunConfig) -> int:
+    """Logical CPUs a local Ray must offer: ceil(num_engines x num_cpus_per_engine + the
+    trainer actor's)."""
+    r, c = cfg.rollout, cfg.cluster
+    trainer = c.trainer_num_cpus if c.trainer_on_ray else 0
+    return int(-(-(r.num_engines * r.num_cpus_per_engine + trainer) // 1))
+
+
+def connect(cfg_cluster: ClusterConfig, user: str, num_cpus: int | None = None) -> RayConnection:
+    """Start (``local``) or join (an address) Ray once per process; every user ``release``s.
+
+    ``local`` listens on 127.0.0.1 only and offers ``max(cpu count, num_cpus)`` logical CPUs
+    (logical: engines and trainer can share cores on a small machine)."""
+    if cfg_cluster.ray_address is None:
+        raise ValueError("cluster.ray_address is null: this run does not use Ray")
+    current = _CONNECTION.get("current")
+    if current is not None:
+        current.users.append(user)
+        return current
+    prepare_ray(loopback=is_loopback(cfg_cluster.ray_address))
+    import ray
+
+    if ray.is_initialized():  # someone else (a test, a notebook) started Ray: use it, never stop it
+        conn = RayConnection(address="existing", owns_init=False, users=[user])
+    elif cfg_cluster.ray_address == "local":
+        want = max(os.cpu_count() or 1, cfg_cluster.num_cpus or 0, num_cpus or 0)
+        ray.init(address="local", num_cpus=want, include_dashboard=False, namespace=NAMESPACE,
+                 _node_ip_address="127.0.0.1", log_to_driver=True,
+                 logging_level="WARNING", configure_logging=True)
+        conn = RayConnection(address="local", owns_init=True, users=[user])
+    else:
+        ray.init(address=cfg_cluster.ray_address, namespace=NAMESPACE, logging_level="WARNING")
+        conn = RayConnection(address=cfg_cluster.ray_address, owns_init=True, users=[user])
+    _CONNECTION["current"] = conn
+    return conn
+
+
+def bundle(num_cpus: float, num_gpus: float, resources: dict[str, float]) -> dict[str, float]:
+    """One placement-group bundle: {"CPU": c, "GPU": g, **custom}, zero entries left out."""
+    out = {"CPU": float(num_cpus), "GPU": float(num_gpus), **{k: float(v) for k, v in resources.items()}}
+    return {k: v for k, v in out.items() if v > 0}
+
+
+def placement_group(bundles: list[dict[str, float]], strategy: str, what: str,
+                    timeout_s: float) -> Any:
+    """A ready placement group, or one clear error naming what could not be placed."""
+    import ray
+    from ray.util.placement_group import placement_group as make_pg
+    from ray.util.placement_group import remove_placement_group
+
+    pg = make_pg(bundles, strategy=strategy)
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        raise RuntimeError(f"{what}: Ray could not place {len(bundles)} x {bundles[0]} "
+                           f"({strategy}) within {timeout_s:.0f}s; the cluster offers "
+                           f"{ray.available_resources()}")
+    return pg
+
+
+def actor_options(pg: Any, index: int, num_cpus: float, num_gpus: float,
+                  resources: dict[str, float], **extra: Any) -> dict[str, Any]:
+    """``.options(...)`` placing an actor in bundle ``index`` of ``pg``."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"num_cpus": num_cpus, "num_gpus": num_gpus, "resources": dict(resources),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=index), **extra}
