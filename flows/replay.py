@@ -69,7 +69,8 @@ def source_samples(rows: list[dict], source_run: str) -> list[Sample]:
 
 
 @flow(name="replay_iteration")
-def replay_iteration(run_id: str, iteration: int, samples: list[Sample], rescore: bool) -> dict:
+def replay_iteration(run_id: str, iteration: int, samples: list[Sample], rescore: bool,
+                     total: int | None = None) -> dict:
     rt = RUNTIMES[run_id]
     timings: dict[str, float] = {"generate": 0.0}
     set_iteration(iteration)
@@ -85,7 +86,8 @@ def replay_iteration(run_id: str, iteration: int, samples: list[Sample], rescore
     with phase(timings, "lake_write"):
         write_trajectories(rt, quote(samples), iteration)
     stats = {**rollout_metrics(samples, 0.0), "rollout/failed": float(failed)}
-    metrics = train_and_commit(rt, iteration, base_version, stats, timings, read_slice=read_replay_slice)
+    metrics = train_and_commit(rt, iteration, base_version, stats, timings, read_slice=read_replay_slice,
+                               total=total)
     if (iteration + 1) % rt.cfg.eval.eval_interval == 0:
         metrics["eval/accuracy"] = evaluate(rt, iteration + 1)["accuracy"]
     return metrics
@@ -162,7 +164,7 @@ def replay_iterations(rt: Runtime, source_run: str, iterations: str | None, resc
     for j, it in enumerate(sorted(by_iter)):
         if j >= rt.start_iteration:
             samples = source_samples(by_iter[it], source_run)
-            metrics = replay_iteration(rt.run_id, j, quote(samples), rescore)
+            metrics = replay_iteration(rt.run_id, j, quote(samples), rescore, total=len(by_iter))
             rt.report("iteration", {"iteration": j, **metrics})
     if not has_eval(rt, rt.trainer.weight_version):
         evaluate(rt, len(by_iter))

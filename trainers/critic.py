@@ -62,9 +62,14 @@ def make_critic_optimizer(critic: ValueModel, lr: float, weight_decay: float,
     return torch.optim.AdamW(critic.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
 
 
+def critic_state(critic: ValueModel, optimizer: torch.optim.Optimizer) -> dict:
+    """What ``save_critic`` writes (live tensors: copy them to keep them)."""
+    return {"model": critic.state_dict(), "optimizer": optimizer.state_dict()}
+
+
 def save_critic(path: Path, critic: ValueModel, optimizer: torch.optim.Optimizer) -> None:
     """The critic's weights and its optimizer state, in one file next to the policy."""
-    torch.save({"model": critic.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    torch.save(critic_state(critic, optimizer), path)
 
 
 def load_critic(path: Path, config, lr: float, weight_decay: float,
