@@ -29,14 +29,15 @@ def seed_training(rt: Runtime, iteration: int) -> int:
 
 
 @task(name="retrain_step", cache_policy=NO_CACHE)
-def retrain_step(rt: Runtime, step: dict) -> bool:
-    """Train again on the samples committed step ``step`` (its train_steps row) consumed, read
-    from the lake in the recorded order. Returns whether the loss terms equal the recorded ones."""
-    uids = step["sample_uids"]
+def retrain_step(rt: Runtime, step: dict, run_id: str | None = None) -> bool:
+    """Train again on the samples committed step ``step`` (a train_steps row of ``run_id``,
+    default this run) consumed, read from the lake in the recorded order. Returns whether the
+    loss terms equal the recorded ones."""
+    uids, run_id = step["sample_uids"], run_id or rt.run_id
     # no version bound: a replay run's rows carry the source's versions, not the replay's
-    table = rt.lake.read_samples(rt.run_id, uids)
+    table = rt.lake.read_samples(run_id, uids)
     if table.num_rows != len(uids):
-        raise ValueError(f"run {rt.run_id}: iteration {step['iteration']} trained on {len(uids)} "
+        raise ValueError(f"run {run_id}: iteration {step['iteration']} trained on {len(uids)} "
                          f"samples, the lake holds {table.num_rows} of them: cannot rebuild "
                          f"weight version {step['weight_version']}")
     seed_training(rt, step["iteration"])

@@ -74,6 +74,19 @@ def test_cpu_copy_is_a_copy_and_keeps_ties():
     assert torch.equal(copied["a"], torch.ones(3)) and torch.equal(copied["c"][0], torch.ones(2))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cpu_copy_of_cuda_tensors():
+    w = torch.arange(6, dtype=torch.bfloat16, device="cuda")
+    copied = cpu_copy({"w": w, "tied": w, "opt": {"state": {0: {"exp_avg": w.float() * 2}}}})
+    assert copied["w"].device.type == "cpu" and copied["w"] is copied["tied"]
+    assert copied["w"].dtype == torch.bfloat16 and torch.equal(copied["w"], w.cpu())
+    w.add_(1)
+    torch.cuda.synchronize()
+    assert torch.equal(copied["w"], torch.arange(6, dtype=torch.bfloat16))
+    assert torch.equal(copied["opt"]["state"][0]["exp_avg"], torch.arange(6).float() * 2)
+
+
 def test_snapshot_holds_the_state_of_its_moment(model_dir, tmp_path):
     """The weights written are those at snapshot time, whatever training did after it."""
     tr = trainer(model_dir, 4)
@@ -182,53 +195,57 @@ def shared(tmp_path_factory):
 
 
 def test_save_interval_and_resume_between_saves_rebuild_from_the_lake(shared):
-    home, url = shared
-    # three processes at once: the reference, a kill after a commit between saves (v2 committed,
-    # v0 the newest checkpoint), a kill while v3 is half-written in the background (v3 committed)
-    ref = rlake(_args(home, "ref"), cli_env(url), home / "ref.log", background=True)
-    between = rlake(_args(home, "between"), cli_env(url, RLAKE_FAULT="during_mlflow_log:1"),
-                    home / "between.log", background=True)
-    partial = rlake(_args(home, "partial"), cli_env(url, RLAKE_FAULT="during_background_write:2"),
-                    home / "partial.log", background=True)
-    assert ref.wait(timeout=900) == 0, tail(home / "ref.log")
-    assert between.wait(timeout=900) == -signal.SIGKILL, tail(home / "between.log")
-    assert partial.wait(timeout=900) == -signal.SIGKILL, tail(home / "partial.log")
+    root, url = shared
+    # three processes at once, each with its own home (lake, MLflow: their first creation is
+    # not safe to race): the reference, a kill after a commit between saves (v2 committed, v0
+    # the newest checkpoint), a kill while v3 is half-written in the background (v3 committed)
+    homes = {r: root / r for r in ("ref", "between", "partial")}
+    faults = {"between": "during_mlflow_log:1", "partial": "during_background_write:2"}
+    procs = {}
+    for r, home in homes.items():
+        home.mkdir()
+        env = cli_env(url, **({"RLAKE_FAULT": faults[r]} if r in faults else {}))
+        procs[r] = rlake(_args(home, r), env, home / "first.log", background=True)
+    for r, proc in procs.items():
+        assert proc.wait(timeout=900) == (0 if r == "ref" else -signal.SIGKILL), tail(homes[r] / "first.log")
 
     # (a) only due versions have checkpoints
-    assert saved_versions(home / "runs/ref/checkpoints") == [0, SAVE_INTERVAL, N_ITER]
-    assert sorted(p.name for p in (home / "runs/ref/checkpoints").iterdir()) == ["v000000", "v000003", "v000005"]
+    ref_ckpts = homes["ref"] / "runs/ref/checkpoints"
+    assert sorted(p.name for p in ref_ckpts.iterdir()) == ["v000000", "v000003", "v000005"]
 
     # the crash states: committed beyond the newest complete checkpoint; a half-written v3.tmp
-    assert (_committed(home, "between"), saved_versions(home / "runs/between/checkpoints")) == (2, [0])
-    ckpts = home / "runs/partial/checkpoints"
-    assert (_committed(home, "partial"), saved_versions(ckpts)) == (3, [0])
+    assert _committed(homes["between"], "between") == 2
+    assert saved_versions(homes["between"] / "runs/between/checkpoints") == [0]
+    ckpts = homes["partial"] / "runs/partial/checkpoints"
+    assert (_committed(homes["partial"], "partial"), saved_versions(ckpts)) == (3, [0])
     half = {p.name for p in (ckpts / "v000003.tmp").iterdir()}
     assert "model.safetensors" in half and STATE_FILE not in half
 
     # (b), (c): resume both; each re-trains the committed steps above v0 from the lake
-    resumes = {r: rlake(["resume", r, "--home", str(home)], cli_env(url), home / f"{r}-resume.log",
-                        background=True) for r in ("between", "partial")}
+    resumes = {r: rlake(["resume", r, "--home", str(homes[r])], cli_env(url), homes[r] / "resume.log",
+                        background=True) for r in faults}
     for r, proc in resumes.items():
-        assert proc.wait(timeout=900) == 0, tail(home / f"{r}-resume.log")
-    assert _last_resume(home, "between")["rebuilt"] == {"from": 0, "iterations": [0, 1], "mismatched": []}
-    assert _last_resume(home, "partial")["rebuilt"] == {"from": 0, "iterations": [0, 1, 2], "mismatched": []}
-    assert "v000003.tmp" in _last_resume(home, "partial")["removed_stale_checkpoints"]
+        assert proc.wait(timeout=900) == 0, tail(homes[r] / "resume.log")
+    between, partial = (_last_resume(homes[r], r) for r in ("between", "partial"))
+    assert between["rebuilt"] == {"from": 0, "iterations": [0, 1], "mismatched": []}
+    assert partial["rebuilt"] == {"from": 0, "iterations": [0, 1, 2], "mismatched": []}
+    assert "v000003.tmp" in partial["removed_stale_checkpoints"]
     assert "re-trained iterations [0, 1] on their samples in the lake (no generation)" in \
-        (home / "between-resume.log").read_text().replace("\n", " ")
+        " ".join((homes["between"] / "resume.log").read_text().split())
     # no generation for the re-trained steps: generation only runs inside rl_iteration flow runs,
     # and the resumes started none for a committed iteration (the crashed ones ran each once)
     assert _iteration_flow_runs(url, "between") == [0, 1, 2, 3, 4]
     assert _iteration_flow_runs(url, "partial") == [0, 1, 2, 3, 4]
     assert saved_versions(ckpts) == [0, SAVE_INTERVAL, N_ITER] and not (ckpts / "v000003.tmp").exists()
 
-    reference = _final_state(home, "ref")
-    _assert_bitwise_equal(_final_state(home, "between"), reference)
-    _assert_bitwise_equal(_final_state(home, "partial"), reference)
+    reference = _final_state(homes["ref"], "ref")
+    _assert_bitwise_equal(_final_state(homes["between"], "between"), reference)
+    _assert_bitwise_equal(_final_state(homes["partial"], "partial"), reference)
 
     # versions with no checkpoint say so in the registry (their weights live in the lake's log)
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{home}/mlflow/mlflow.db")
+    client = MlflowClient(f"sqlite:///{homes['between']}/mlflow/mlflow.db")
     tags = {int(v.tags["weight_version"]): v.tags["checkpoint"]
             for v in client.search_model_versions("name='rlake-between'")}
     assert sorted(tags) == list(range(N_ITER + 1))
