@@ -22,7 +22,7 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from infra.checkpoints import rebuild_chain, stale_folders
+from infra.checkpoints import checkpoint_due, rebuild_chain, stale_folders
 from infra.faults import set_iteration
 from infra.recovery import (
     claim_run,
@@ -37,7 +37,7 @@ from rollout.context import rollout_stats_from_commit
 from rollout.data import POSITION_METRIC
 from rollout.sample import Sample
 from tasks.rebuild import retrain_step
-from tasks.train import publish_weights, wait_for_checkpoints
+from tasks.train import publish_weights, save_checkpoint, wait_for_checkpoints
 
 
 def recorded_samples(rt: Runtime, iteration: int, base_version: int
@@ -138,7 +138,8 @@ def rebuild_committed(rt: Runtime) -> dict:
     """Bring the trainer from the checkpoint it was loaded from (``resume_point``) to the
     committed version: re-train each committed step after it, in order, on exactly the samples
     its ``train_steps`` row names, read from the lake (no generation), seeded as the run seeds
-    that iteration; then hand the weights to the engine. Returns {"from": v, "iterations": [...],
+    that iteration, writing the due checkpoints the crash lost; then hand the weights to the
+    engine. Returns {"from": v, "iterations": [...],
     "mismatched": [...]}: with ``deterministic``, an iteration whose re-trained loss terms differ
     from the recorded ones is named there (and reported as a warning)."""
     start, committed = rt.trainer.weight_version, rt.committed_version()
@@ -152,6 +153,9 @@ def rebuild_committed(rt: Runtime) -> dict:
         rt.seed_iteration(step["iteration"])
         if not retrain_step(rt, step) and rt.cfg.deterministic:
             mismatched.append(step["iteration"])
+        if checkpoint_due(step["iteration"], rt.cfg.num_rollout, rt.cfg.save_interval):
+            # the crash lost this due checkpoint (a write in flight): write it again
+            save_checkpoint(rt, rt.checkpoint_dir(step["weight_version"]), background=True)
     publish_weights(rt, committed, save=False)
     done = {"from": start, "iterations": [s["iteration"] for s in chain], "mismatched": mismatched}
     rt.report("rebuild", done)

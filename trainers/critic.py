@@ -63,18 +63,14 @@ def make_critic_optimizer(critic: ValueModel, lr: float, weight_decay: float,
 
 
 def critic_state(critic: ValueModel, optimizer: torch.optim.Optimizer) -> dict:
-    """What ``save_critic`` writes (live tensors: copy them to keep them)."""
+    """The critic's weights and its optimizer state, saved in one file (``CRITIC_FILE``) next to
+    the policy (live tensors: the checkpoint writer copies them)."""
     return {"model": critic.state_dict(), "optimizer": optimizer.state_dict()}
-
-
-def save_critic(path: Path, critic: ValueModel, optimizer: torch.optim.Optimizer) -> None:
-    """The critic's weights and its optimizer state, in one file next to the policy."""
-    torch.save(critic_state(critic, optimizer), path)
 
 
 def load_critic(path: Path, config, lr: float, weight_decay: float,
                 betas: tuple[float, float]) -> tuple[ValueModel, torch.optim.Optimizer]:
-    """Rebuild what ``save_critic`` wrote (``config``: the policy's HF config)."""
+    """Rebuild what ``critic_state`` saved (``config``: the policy's HF config)."""
     state = torch.load(path, weights_only=False)
     critic = ValueModel.from_config(config)
     critic.load_state_dict(state["model"])
