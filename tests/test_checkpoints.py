@@ -5,7 +5,8 @@ Unit part: the checkpoint rules (infra/checkpoints.py) and the background writer
 server): with ``num_rollout=5, save_interval=3`` an uninterrupted run keeps v0, v3, v5 only; a
 run killed after a commit between saves, and one killed while its checkpoint is half-written in
 the background, both resume by re-training the committed steps from the lake (no generation) and
-end bitwise equal (weights and optimizer state) to the uninterrupted run.
+end bitwise equal (weights and optimizer state) to the uninterrupted run; a replay starting at a
+version with no checkpoint rebuilds it the same way.
 """
 
 from __future__ import annotations
@@ -149,14 +150,17 @@ def _committed(home: Path, run_id: str) -> int:
     return max(steps.column("weight_version").to_pylist())
 
 
-def _last_resume(home: Path, run_id: str) -> dict:
+def _tag(home: Path, run_id: str, key: str) -> str:
     from mlflow.tracking import MlflowClient
 
     from buffer import Lake
 
     client = MlflowClient(f"sqlite:///{home}/mlflow/mlflow.db")
-    run = client.get_run(Lake(str(home / "lake")).get_run(run_id)["mlflow_run_id"])
-    return json.loads(run.data.tags["rlake.last_resume"])
+    return client.get_run(Lake(str(home / "lake")).get_run(run_id)["mlflow_run_id"]).data.tags[key]
+
+
+def _last_resume(home: Path, run_id: str) -> dict:
+    return json.loads(_tag(home, run_id, "rlake.last_resume"))
 
 
 def _iteration_flow_runs(api_url: str, run_id: str) -> list[int]:
@@ -250,3 +254,13 @@ def test_save_interval_and_resume_between_saves_rebuild_from_the_lake(shared):
             for v in client.search_model_versions("name='rlake-between'")}
     assert sorted(tags) == list(range(N_ITER + 1))
     assert [v for v, path in sorted(tags.items()) if path] == [0, SAVE_INTERVAL, N_ITER]
+
+    # a replay starting at a version that was never saved (v4) rebuilds it from the source's v3
+    # and the source's recorded slice of iteration 3; its one step then reproduces the source's v5
+    log = homes["ref"] / "replay.log"
+    proc = rlake(["replay", "ref", "--home", str(homes["ref"]), "--iterations", "4:5", "--run-id", "rep"],
+                 cli_env(url), log)
+    assert proc.returncode == 0, tail(log)
+    assert "re-trained from the lake" in _tag(homes["ref"], "rep", "rlake.replay_start")
+    replayed = load_file(homes["ref"] / "runs/rep/checkpoints/v000001/model.safetensors")
+    assert all(torch.equal(replayed[k], reference[0][k]) for k in reference[0])
