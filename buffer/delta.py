@@ -31,7 +31,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction, WriterPropertie
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from buffer.schema import KEYS, PARTITIONS, SCHEMA_VERSION, SCHEMA_VERSION_KEY, arrow_schema
-from infra.faults import armed, fault_point
+from infra.faults import fault_armed, fault_point
 
 MAX_ATTEMPTS = 200
 GUARDS_KEY = "rlake.guards"
@@ -297,7 +297,7 @@ def guarded_append(
                                                   "rlake.rows": new.num_rows,
                                                   GUARDS_KEY: json.dumps(guards), **(commit_info or {})},
                                  app_transactions=txns)
-        source = stream_with_fault(new) if name == "trajectories" and armed(MID_APPEND) else new
+        source = stream_with_fault(new) if name == "trajectories" and fault_armed(MID_APPEND) else new
         try:
             write_deltalake(dt, source, mode="append", schema_mode="merge", commit_properties=props)
         except CommitFailedError as e:

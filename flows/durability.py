@@ -2,23 +2,29 @@
 
 The durability order of an iteration (flows/rl.py) is
 
-    lake append -> train -> checkpoint save (atomic rename) -> train_steps row (THE commit)
+    lake append -> train -> engine hand-off (+ checkpoint every save_interval, written in the
+    background: tmp folder, atomic rename) -> train_steps row (THE commit)
     -> MLflow metrics + model version -> evaluation
 
 so after ``kill -9`` the lake says exactly how far the run got: iterations with a train_steps row
 are done; an iteration whose trajectories are in the lake but not consumed is re-trained from them
 (``recorded_samples``), never regenerated; what comes after the commit (MLflow, registry) is
-re-done by ``recover`` if missing.
+re-done by ``recover`` if missing. The lake is the write-ahead log of the weights: a resume loads
+the newest checkpoint at or below the committed version and re-trains the committed steps above
+it on the samples their rows name (``rebuild_committed``), again without generation.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 
+from infra.checkpoints import checkpoint_due, rebuild_chain, stale_folders
+from infra.faults import set_iteration
 from infra.recovery import (
     claim_run,
     mark_crashed,
@@ -31,6 +37,8 @@ from infra.runtime import RUNTIMES, Runtime
 from rollout.context import rollout_stats_from_commit
 from rollout.data import POSITION_METRIC
 from rollout.sample import Sample
+from tasks.rebuild import retrain_step
+from tasks.train import publish_weights, save_checkpoint, wait_for_checkpoints
 
 
 def recorded_samples(rt: Runtime, iteration: int) -> tuple[list[Sample], dict[str, float]] | None:
@@ -58,12 +66,15 @@ def recorded_samples(rt: Runtime, iteration: int) -> tuple[list[Sample], dict[st
 
 
 def register_version(rt: Runtime, version: int, iteration: int | None, lake_version: int | None,
-                     n_samples: int) -> None:
-    """Weight version ``version`` as an MLflow model version with its lineage tags (on the
-    tracker's background thread: off the iteration's path; a crash before it is sent is
-    repaired by ``register_missing_versions``)."""
+                     n_samples: int, saved: bool | None = None) -> None:
+    """Weight version ``version`` as an MLflow model version with its lineage tags, registered on
+    the tracker's background thread (off the iteration's path; a crash before it is sent is
+    repaired by ``register_missing_versions``). The ``checkpoint`` tag is its folder when one is
+    saved (``saved``; None: look on disk), else empty: such a version is rebuilt from an older
+    checkpoint and the lake (``rebuild_committed``)."""
+    saved = rt.checkpoint_dir(version).exists() if saved is None else saved
     tags = {"iteration": "sft" if iteration is None else iteration, "lake_version": lake_version,
-            "sample_count": n_samples, "checkpoint": str(rt.checkpoint_dir(version))}
+            "sample_count": n_samples, "checkpoint": str(rt.checkpoint_dir(version)) if saved else ""}
     rt.tracker.defer(lambda: rt.tracker.register_weight_version(rt.run_id, version, tags))
 
 
@@ -109,21 +120,68 @@ def recover(rt: Runtime, own_flow_run: str | None) -> dict:
     done["crashed_flow_runs"] = mark_crashed(rt.run_id, exclude={own_flow_run} if own_flow_run else None)
     done["relogged"] = relog_missing_metrics(rt)
     done["registered"] = register_missing_versions(rt)
+    done["removed_stale_checkpoints"] = remove_stale_checkpoints(rt)
+    done["rebuilt"] = rebuild_committed(rt)
     rt.tracker.set_tags({"rlake.last_resume": json.dumps(done)})
     rt.report("recovered", done)
     return done
 
 
+def remove_stale_checkpoints(rt: Runtime) -> list[str]:
+    """Delete what a crash left in the checkpoint folder that no resume may trust (``*.tmp``
+    writes, versions above the commit): a later crash could otherwise find an old folder at or
+    below a newer commit. Runs once this process owns the run. Returns the names removed."""
+    stale = stale_folders(rt.checkpoint_root, rt.committed_version())
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return [p.name for p in stale]
+
+
+def rebuild_committed(rt: Runtime) -> dict:
+    """Bring the trainer from the checkpoint it was loaded from (``resume_point``) to the
+    committed version: re-train each committed step after it, in order, on exactly the samples
+    its ``train_steps`` row names, read from the lake (no generation), seeded as the run seeds
+    that iteration, writing the due checkpoints the crash lost; then hand the weights to the
+    engine. Returns {"from": v, "iterations": [...],
+    "mismatched": [...]}: with ``deterministic``, an iteration whose re-trained loss terms differ
+    from the recorded ones is named there (and reported as a warning)."""
+    start, committed = rt.trainer.weight_version, rt.committed_version()
+    if start >= committed:
+        return {"from": start, "iterations": [], "mismatched": []}
+    steps = rt.lake.read("train_steps", run_id=rt.run_id).to_pylist()
+    chain = rebuild_chain(steps, start, committed)
+    mismatched = []
+    for step in chain:
+        set_iteration(step["iteration"])
+        rt.seed_iteration(step["iteration"])
+        if not retrain_step(rt, step) and rt.cfg.deterministic:
+            mismatched.append(step["iteration"])
+        if checkpoint_due(step["iteration"], rt.cfg.num_rollout, rt.cfg.save_interval):
+            # the crash lost this due checkpoint (a write in flight): write it again
+            save_checkpoint(rt, rt.checkpoint_dir(step["weight_version"]), background=True)
+    publish_weights(rt, committed, save=False)
+    done = {"from": start, "iterations": [s["iteration"] for s in chain], "mismatched": mismatched}
+    rt.report("rebuild", done)
+    if mismatched:
+        rt.report("warning", {"message": f"rebuilt iterations {mismatched} trained to other loss "
+                              "values than recorded: the rebuilt weights may differ"})
+    return done
+
+
 def close_runtime(rt: Runtime) -> None:
     """Free what the runtime holds: the engine (servers), the trainer (its processes), the reward
-    worker processes, its entry in ``RUNTIMES``."""
-    rt.engine.shutdown()
-    if hasattr(rt.trainer, "close"):
-        rt.trainer.close()
-    for scorer in [rt.reward_fn, *(e.scorer for e in getattr(rt, "eval_sets", None) or [])]:
-        if hasattr(scorer, "close"):  # custom reward functions' worker processes
-            scorer.close()
-    RUNTIMES.pop(rt.run_id, None)
+    worker processes, its entry in ``RUNTIMES``; a checkpoint still being written is waited for
+    first (its error raised)."""
+    try:
+        wait_for_checkpoints(rt)
+    finally:
+        rt.engine.shutdown()
+        if hasattr(rt.trainer, "close"):
+            rt.trainer.close()
+        for scorer in [rt.reward_fn, *(e.scorer for e in getattr(rt, "eval_sets", None) or [])]:
+            if hasattr(scorer, "close"):  # custom reward functions' worker processes
+                scorer.close()
+        RUNTIMES.pop(rt.run_id, None)
 
 
 @contextmanager

@@ -1,8 +1,10 @@
 """Offline replay: a new run that trains on a source run's recorded trajectories, no generation.
 
     rl_replay(source, iterations A:B, rescore RM):
-      starting policy: the source's checkpoint of the first replayed base version if it is still
-                       on disk, else the same SFT warm-up as the source (seeded: the same v0)
+      starting policy: the source's checkpoint of the first replayed base version if it is on
+                       disk, else that version rebuilt from an older source checkpoint and the
+                       source's recorded slices (same trainer settings), else the same SFT
+                       warm-up as the source (seeded: the same v0)
       for j, source iteration i in enumerate(A..B-1):
         replay_iteration: copy the source rows of iteration i under this run (iteration j,
                           metadata.source_sample_uid), rescored with RM when given
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 from prefect import flow, tags
 from prefect.settings import temporary_settings
@@ -27,6 +30,7 @@ from prefect.utilities.annotations import quote
 from flows.durability import owned_run, register_version, start_or_recover
 from flows.rl import FAST_FLOW_SETTINGS, _flat_params, eval_due, has_eval, sft_warmup
 from flows.steps import phase, train_and_commit
+from infra.checkpoints import rebuild_chain, resume_checkpoint, saved_versions
 from infra.config import config_from_dict
 from infra.faults import set_iteration
 from infra.recovery import run_tag
@@ -35,6 +39,7 @@ from rewards.registry import Scorer
 from rollout.sample import Sample, Status
 from tasks.eval import evaluate
 from tasks.lake import write_trajectories
+from tasks.rebuild import retrain_step
 from tasks.replay import read_replay_slice, read_source_trajectories
 from tasks.rollout import score
 from tasks.train import publish_weights
@@ -69,7 +74,8 @@ def source_samples(rows: list[dict], source_run: str) -> list[Sample]:
 
 
 @flow(name="replay_iteration")
-def replay_iteration(run_id: str, iteration: int, samples: list[Sample], rescore: bool) -> dict:
+def replay_iteration(run_id: str, iteration: int, samples: list[Sample], rescore: bool,
+                     total: int | None = None) -> dict:
     rt = RUNTIMES[run_id]
     timings: dict[str, float] = {"generate": 0.0}
     set_iteration(iteration)
@@ -85,24 +91,55 @@ def replay_iteration(run_id: str, iteration: int, samples: list[Sample], rescore
     with phase(timings, "lake_write"):
         write_trajectories(rt, quote(samples), iteration)
     stats = {**rollout_metrics(samples, 0.0), "rollout/failed": float(failed)}
-    metrics = train_and_commit(rt, iteration, base_version, stats, timings, read_slice=read_replay_slice)
+    metrics = train_and_commit(rt, iteration, base_version, stats, timings, read_slice=read_replay_slice,
+                               total=total)
     if (iteration + 1) % rt.cfg.eval.eval_interval == 0:
         metrics["eval/accuracy"] = evaluate(rt, iteration + 1)["accuracy"]
     return metrics
 
 
-def _start_policy(rt: Runtime, source_dir) -> str:
-    """Load the source checkpoint if it still exists, else run the SFT warm-up; publish v0."""
+def _start_policy(rt: Runtime, source_run: str, base: int) -> str:
+    """The source's weights at version ``base``: its checkpoint if saved, else rebuilt from the
+    lake (``_rebuild_source``), else the SFT warm-up (seeded: the source's v0); published as v0."""
+    root = rt.home / "runs" / source_run / "checkpoints"
+    source_dir = root / f"v{base:06d}"
     if source_dir.exists():
         rt.trainer.load(str(source_dir))
         rt.trainer.weight_version = 0
         publish_weights(rt, 0)
         return f"checkpoint {source_dir}"
+    rebuilt = _rebuild_source(rt, source_run, root, base)
+    if rebuilt is not None:
+        return rebuilt
     if rt.cfg.sft.enabled and rt.cfg.sft.steps > 0:
         sft_warmup(rt.run_id)
-        return "SFT warm-up (the source's checkpoint was pruned)"
+        return f"SFT warm-up (the source has no checkpoint of v{base} and it cannot be rebuilt)"
     publish_weights(rt, 0)
     return "base model"
+
+
+def _rebuild_source(rt: Runtime, source_run: str, root: Path, base: int) -> str | None:
+    """The source's version ``base`` where no checkpoint of it was saved (save_interval): load
+    the source's newest checkpoint below it and re-train the source's committed steps up to it
+    on their samples in the lake (no generation). Only when this run trains with the source's
+    trainer settings and seed, else the result would not be the source's weights (None)."""
+    row = rt.lake.get_run(source_run)
+    source_cfg = config_from_dict(json.loads(row["config"])) if row else None
+    start = resume_checkpoint(saved_versions(root), base)
+    if source_cfg is None or start is None or (source_cfg.trainer, source_cfg.seed) != (rt.cfg.trainer, rt.cfg.seed):
+        return None
+    try:
+        chain = rebuild_chain(rt.lake.read("train_steps", run_id=source_run).to_pylist(), start, base)
+    except ValueError:
+        return None
+    rt.trainer.load(str(root / f"v{start:06d}"))
+    for step in chain:
+        rt.seed_iteration(step["iteration"])
+        retrain_step(rt, step, run_id=source_run)
+    rt.trainer.weight_version = 0
+    publish_weights(rt, 0)
+    return (f"checkpoint {root / f'v{start:06d}'} + iterations {[s['iteration'] for s in chain]} "
+            f"of {source_run} re-trained from the lake")
 
 
 @flow(name="rl_replay")
@@ -154,15 +191,14 @@ def replay_iterations(rt: Runtime, source_run: str, iterations: str | None, resc
         by_iter.setdefault(r["iteration"], []).append(r)
     if rt.start_iteration == 0 and not rt.checkpoint_dir(0).exists():
         base = min(r["weight_version"] for r in by_iter[min(by_iter)])
-        src_ckpt = rt.home / "runs" / source_run / "checkpoints" / f"v{base:06d}"
-        rt.tracker.set_tags({"rlake.replay_start": _start_policy(rt, src_ckpt)})
+        rt.tracker.set_tags({"rlake.replay_start": _start_policy(rt, source_run, base)})
         register_version(rt, 0, None, None, 0)
     if eval_due(rt, rt.start_iteration, len(by_iter)) and not has_eval(rt, rt.trainer.weight_version):
         evaluate(rt, rt.start_iteration)
     for j, it in enumerate(sorted(by_iter)):
         if j >= rt.start_iteration:
             samples = source_samples(by_iter[it], source_run)
-            metrics = replay_iteration(rt.run_id, j, quote(samples), rescore)
+            metrics = replay_iteration(rt.run_id, j, quote(samples), rescore, total=len(by_iter))
             rt.report("iteration", {"iteration": j, **metrics})
     if not has_eval(rt, rt.trainer.weight_version):
         evaluate(rt, len(by_iter))

@@ -1,7 +1,7 @@
 """The second half of an iteration, shared by ``rl_iteration`` and ``replay_iteration``:
 
-    read slice -> train -> save + publish (checkpoint, engine) -> train_steps row (THE commit)
-    -> MLflow metrics -> model version (lineage)
+    read slice -> train -> publish (engine; checkpoint every save_interval, in the background)
+    -> train_steps row (THE commit) -> MLflow metrics -> model version (lineage)
 
 The named fault points (infra/faults.py) sit between the steps.
 """
@@ -16,13 +16,15 @@ from contextlib import contextmanager
 import pyarrow as pa
 
 from flows.durability import register_version
-from infra.faults import fault_point
+from infra.checkpoints import checkpoint_due
+from infra.faults import fault_join, fault_point
 from infra.runtime import Runtime
 from tasks.lake import read_training_slice, record_train_step
+from tasks.rebuild import RECORDED_TERMS, seed_training
 from tasks.train import log_metrics, publish_weights, train
 from trainers.metrics import staleness
 
-STEP_METRICS = ("pg_loss", "pg_clipfrac", "ppo_kl", "kl_loss", "grad_norm")
+STEP_METRICS = RECORDED_TERMS
 
 
 @contextmanager
@@ -52,17 +54,25 @@ def train_step_row(rt: Runtime, iteration: int, base_version: int, new_version: 
 def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_stats: dict[str, float],
                      timings: dict[str, float],
                      read_slice: Callable[[Runtime, int], tuple[pa.Table, int]] = read_training_slice,
-                     ) -> dict[str, float]:
+                     total: int | None = None) -> dict[str, float]:
     """Train on the slice ``read_slice(rt, base_version)`` and commit the new version; returns
-    the iteration's metrics (rollout_stats + train/* + staleness/* + weight_version)."""
+    the iteration's metrics (rollout_stats + train/* + staleness/* + weight_version).
+
+    The checkpoint of the new version is written when due (``infra.checkpoints.checkpoint_due``
+    over ``total`` iterations, default ``num_rollout``), in the background except at the last
+    iteration (the run ends with its checkpoint on disk)."""
     with phase(timings, "slice_read"):
         training_slice, lake_version = read_slice(rt, base_version)
+    seed_training(rt, iteration)
     with phase(timings, "train"):
         train_metrics = train(rt, training_slice)
     fault_point("during_train")
     new_version = rt.trainer.weight_version
+    total = rt.cfg.num_rollout if total is None else total
+    due = checkpoint_due(iteration, total, rt.cfg.save_interval)
     with phase(timings, "publish"):
-        publish_weights(rt, new_version)
+        saved = publish_weights(rt, new_version, save=due, wait=iteration + 1 >= total)
+    fault_join("during_checkpoint_save")  # a background write holding there: die before the commit
     fault_point("after_checkpoint_save")
     versions = training_slice.column("weight_version").to_pylist()
     metrics = {**rollout_stats, **{f"train/{k}": v for k, v in train_metrics.items()},
@@ -74,7 +84,9 @@ def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_sta
         record_train_step(rt, train_step_row(rt, iteration, base_version, new_version, lake_version,
                                              training_slice, train_metrics, metrics, timings))
         rt.prune_checkpoints(keep_version=new_version)  # new_version is committed now
+        fault_join("during_background_write")  # committed, its checkpoint half-written
         fault_point("during_mlflow_log")
         log_metrics(rt, {**metrics, **{f"time/{k}": v for k, v in timings.items()}}, iteration)
-        register_version(rt, new_version, iteration, lake_version, training_slice.num_rows)
+        register_version(rt, new_version, iteration, lake_version, training_slice.num_rows,
+                         saved=saved is not None)
     return metrics

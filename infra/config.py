@@ -269,6 +269,9 @@ class RunConfig(_Section):
     num_rollout: int = Field(40, ge=0, description="RL iterations (slime: num_rollout)")
     deterministic: bool = False
     keep_checkpoints: int = Field(3, ge=1)
+    save_interval: int = Field(
+        10, ge=1, description="write a checkpoint every N iterations (and v0 and the last); the "
+                              "lake's train_steps are the write-ahead log for the versions between")
     torch_threads: int = Field(1, ge=1)
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the torch engine, trainer, reference and critic run; auto = "

@@ -7,12 +7,20 @@
 Points are named in ``POINTS`` and placed in the pipeline with ``fault_point(name)``; the
 iteration is the one set by ``set_iteration`` (the flow sets it at the start of each iteration).
 Nothing happens when the variable is unset, so the cost in a normal run is one dict lookup.
+
+A point inside the background checkpoint writer (trainers/checkpoint.py) would otherwise die at
+a moment that races the main thread; there the writer *holds* (``fault_point(name, iteration,
+hold=True)`` blocks once the point is reached) and the main thread kills the process at a fixed
+place of its own (``fault_join(name)``), so a test knows exactly what was committed and what was
+half-written.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 ENV = "RLAKE_FAULT"
 # before the first iteration (``rlake run``/``resume``, infra/startup.py): no iteration needed
@@ -27,11 +35,17 @@ POINTS: dict[str, str] = {
     "after_lake_append": "the iteration's trajectories are committed to the lake, not trained on",
     "during_train": "the trainer updated the weights in memory, nothing saved",
     "during_checkpoint_save": "the checkpoint's temporary folder is written, not renamed into place",
-    "after_checkpoint_save": "the new checkpoint exists, the train_steps row (commit point) does not",
+    "after_checkpoint_save": "the new checkpoint is saved (or, in the background, being saved), the "
+                             "train_steps row (commit point) does not exist",
     "during_weight_handoff": "the checkpoint is saved, the engine is not updated yet",
+    "during_background_write": "the train_steps row is committed while the background writer has "
+                               "put the weights, not the optimizer state, in the checkpoint's "
+                               "temporary folder",
     "during_mlflow_log": "the train_steps row is committed, the MLflow metrics are not logged",
 }
 _STATE = {"iteration": -1}
+_REACHED: dict[str, threading.Event] = {}
+JOIN_TIMEOUT_S = 300.0
 
 
 def parse_faults(spec: str | None) -> dict[str, int | None]:
@@ -60,16 +74,43 @@ def set_iteration(iteration: int) -> None:
     _STATE["iteration"] = iteration
 
 
-def armed(name: str) -> bool:
-    """Whether ``fault_point(name)`` would kill the process now (at the current iteration)."""
+def current_iteration() -> int:
+    return _STATE["iteration"]
+
+
+def fault_armed(name: str, iteration: int | None = None) -> bool:
+    """Whether ``RLAKE_FAULT`` names ``name`` at ``iteration`` (default: the current one)."""
     spec = os.environ.get(ENV)
     if not spec:
         return False
     faults = parse_faults(spec)
-    return name in faults and faults[name] in (None, _STATE["iteration"])
+    at = _STATE["iteration"] if iteration is None else iteration
+    return name in faults and faults[name] in (None, at)  # None: a startup point, any time
 
 
-def fault_point(name: str) -> None:
-    """SIGKILL this process if ``RLAKE_FAULT`` names ``name`` at the current iteration."""
-    if armed(name):
-        os.kill(os.getpid(), signal.SIGKILL)
+def _kill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fault_point(name: str, iteration: int | None = None, hold: bool = False) -> None:
+    """SIGKILL this process if ``RLAKE_FAULT`` names ``name`` at ``iteration`` (default: the
+    current one). With ``hold`` (a background thread), block instead and let the main thread's
+    ``fault_join(name)`` kill the process."""
+    if not fault_armed(name, iteration):
+        return
+    if not hold:
+        _kill()
+    _REACHED.setdefault(name, threading.Event()).set()
+    while True:  # the main thread kills the process; nothing after this point may run
+        time.sleep(3600)
+
+
+def fault_join(name: str) -> None:
+    """Main-thread side of a held point: if armed at the current iteration, wait until a
+    background thread holds at ``name``, then SIGKILL the process."""
+    if not fault_armed(name):
+        return
+    if not _REACHED.setdefault(name, threading.Event()).wait(JOIN_TIMEOUT_S):
+        raise RuntimeError(f"{ENV}: fault point '{name}' was never reached by the background "
+                           f"writer at iteration {_STATE['iteration']} (is a save due there?)")
+    _kill()

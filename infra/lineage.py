@@ -5,19 +5,36 @@ and which weight versions generated those samples, read from the lake (``train_s
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from buffer import Lake
+from infra.checkpoints import rebuild_chain, resume_checkpoint, saved_versions
 
 
-def version_lineage(lake: Lake, run_id: str, version: int) -> dict:
+def checkpoint_of(steps: list[dict], version: int, root: Path) -> dict:
+    """Where version ``version``'s weights are: {"checkpoint": its folder} when saved, else
+    {"checkpoint": None, "rebuild_from": v, "rebuild_iterations": [...]}: the newest checkpoint
+    below it and the committed steps that ``rlake resume`` re-trains from the lake to reach it
+    (``rebuild_from`` None: no checkpoint below it is left)."""
+    saved = saved_versions(root)
+    if version in saved:
+        return {"checkpoint": str(root / f"v{version:06d}")}
+    start = resume_checkpoint(saved, version)
+    chain = [] if start is None else rebuild_chain(steps, start, version)
+    return {"checkpoint": None, "rebuild_from": start,
+            "rebuild_iterations": [s["iteration"] for s in chain]}
+
+
+def version_lineage(lake: Lake, run_id: str, version: int, checkpoint_root: Path | None = None) -> dict:
     """{"version", "steps": [...], "samples": [...], "generated_by": {w: n}, "ancestry": [...]}.
 
     ``steps`` are the train_steps rows that produced ``version``; ``samples`` their consumed
     trajectories (read as of the step's recorded lake version, so later compaction or appends do
-    not change the answer); ``ancestry`` is the chain of (base -> produced) versions back to 0.
+    not change the answer); ``ancestry`` is the chain of (base -> produced) versions back to 0;
+    with ``checkpoint_root``, where the weights are (``checkpoint_of``).
     """
     steps = lake.read("train_steps", run_id=run_id, columns=[
         "step", "iteration", "base_version", "weight_version", "lake_version", "sample_uids",
@@ -41,9 +58,12 @@ def version_lineage(lake: Lake, run_id: str, version: int) -> dict:
     while v in by_version and len(ancestry) <= len(steps):
         ancestry.append((by_version[v]["base_version"], v, by_version[v]["iteration"]))
         v = by_version[v]["base_version"]
-    return {"version": version, "steps": mine, "samples": samples,
-            "generated_by": dict(sorted(Counter(s["weight_version"] for s in samples).items())),
-            "ancestry": ancestry}
+    out = {"version": version, "steps": mine, "samples": samples,
+           "generated_by": dict(sorted(Counter(s["weight_version"] for s in samples).items())),
+           "ancestry": ancestry}
+    if checkpoint_root is not None:
+        out.update(checkpoint_of(steps, version, checkpoint_root))
+    return out
 
 
 def format_lineage(info: dict, run_id: str, show_samples: int = 10) -> list[str]:
@@ -68,6 +88,11 @@ def format_lineage(info: dict, run_id: str, show_samples: int = 10) -> list[str]
                      f"prompt {s['data_source']}#{s['row']})")
     if len(info["samples"]) > show_samples:
         lines.append(f"    ... {len(info['samples']) - show_samples} more (--samples N to show)")
+    if "checkpoint" in info:
+        lines.append(f"  checkpoint: {info['checkpoint']}" if info["checkpoint"] else
+                     f"  checkpoint: none (save_interval); rebuilt from v{info['rebuild_from']} by "
+                     f"re-training iterations {info['rebuild_iterations']} from the lake"
+                     if info["rebuild_from"] is not None else "  checkpoint: none left on disk")
     chain = " <- ".join(f"v{new} (it {it})" for _, new, it in info["ancestry"])
     lines.append(f"  ancestry: {chain} <- v{info['ancestry'][-1][0]}" if info["ancestry"] else "")
     return [line for line in lines if line]

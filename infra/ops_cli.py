@@ -82,7 +82,8 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one nested function per 
         """Which iterations and samples trained weight version V, and which versions generated them."""
         from infra.lineage import format_lineage, version_lineage
 
-        info = version_lineage(_lake(home, lake_uri), run_id, version)
+        info = version_lineage(_lake(home, lake_uri), run_id, version,
+                               checkpoint_root=Path(home) / "runs" / run_id / "checkpoints")
         if as_json:
             print(json.dumps(info, default=str))
             return

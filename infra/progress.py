@@ -43,6 +43,10 @@ class RichReporter:
         elif event == "reuse":
             self.console.print(f"  iteration {p['iteration']}: reusing its {p['samples']} samples "
                                "already in the lake (no generation)")
+        elif event == "rebuild":
+            self.console.print(f"  rebuilt weight version {p['from'] + len(p['iterations'])} from "
+                               f"checkpoint v{p['from']}: re-trained iterations {p['iterations']} "
+                               "on their samples in the lake (no generation)")
         elif event == "iteration" and self.rl_task is not None:
             if "eval/accuracy" in p:
                 self.__call__("eval", {"iteration": p["iteration"] + 1, "accuracy": p["eval/accuracy"]})

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from buffer import Lake
+from infra.checkpoints import prunable, resume_checkpoint, saved_versions
 from infra.cluster import required_cpus
 from infra.config import RunConfig, config_from_dict
 from infra.modeling import build_tiny_model, load_tokenizer, placement
@@ -76,15 +77,14 @@ class Runtime:
         versions = [v for v in steps.column("weight_version").to_pylist() if v is not None]
         return max(versions, default=0)
 
-    def prune_checkpoints(self, keep_version: int) -> None:
-        """Keep the newest ``keep_checkpoints`` versions, ``keep_version`` and the committed
-        version; only versions older than the committed one are ever deleted."""
+    def prune_checkpoints(self, keep_version: int | None = None) -> None:
+        """Delete saved versions below the committed one except the newest ``keep_checkpoints``,
+        the one a resume needs and v0 while the reference needs it (``infra.checkpoints.
+        prunable``). ``keep_version`` is kept too (it is never below the commit)."""
         committed = self.committed_version()
-        versions = sorted(int(p.name[1:]) for p in self.checkpoint_root.glob("v[0-9]*")
-                          if p.is_dir() and not p.name.endswith(".tmp"))
-        keep = {keep_version, 0} if self.trainer_needs_v0 else {keep_version}
-        for v in versions[:-self.cfg.keep_checkpoints]:
-            if v not in keep and v < committed:
+        saved = saved_versions(self.checkpoint_root)
+        for v in prunable(saved, committed, self.cfg.keep_checkpoints, self.trainer_needs_v0):
+            if v != keep_version:
                 shutil.rmtree(self.checkpoint_dir(v), ignore_errors=True)
 
     @property
@@ -93,9 +93,9 @@ class Runtime:
         return bool(getattr(self.trainer, "uses_reference", False))
 
     def latest_checkpoint(self) -> int | None:
-        """The committed version if its checkpoint exists (None otherwise); see ``committed_version``."""
-        committed = self.committed_version()
-        return committed if self.checkpoint_dir(committed).exists() else None
+        """The newest saved version at or below the committed one (None: none); see
+        ``committed_version``."""
+        return resume_checkpoint(saved_versions(self.checkpoint_root), self.committed_version())
 
     def seed_iteration(self, iteration: int) -> int:
         """Seed every RNG an iteration uses from (seed, iteration) alone, so an iteration draws the
@@ -211,18 +211,21 @@ def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False
 
 
 def resume_point(rt: Runtime, base: Path) -> tuple[int, int, Path]:
-    """(next iteration, committed weight version, its model folder) read from the lake.
+    """(next iteration, weight version to load, its model folder) read from the lake.
 
-    Next iteration = max(train_steps.iteration) + 1. Weights = the checkpoint of the committed
-    version (never a newer, uncommitted folder). Before the first commit: v0 if SFT finished
-    (its folder exists; the rename is atomic), else the base model (SFT runs again).
+    Next iteration = max(train_steps.iteration) + 1. Weights = the newest checkpoint at or below
+    the committed version (never a newer, uncommitted folder, never a ``*.tmp`` one); the
+    committed steps above it are re-trained from the lake afterwards (``flows.durability.
+    rebuild_committed``). Before the first commit: v0 if SFT finished (its folder exists; the
+    rename is atomic), else the base model (SFT runs again).
     """
     steps = rt.lake.read("train_steps", run_id=rt.run_id, columns=["iteration", "weight_version"])
     if not steps.num_rows:
         return 0, 0, rt.checkpoint_dir(0) if rt.checkpoint_dir(0).exists() else base
     start_iteration = max(steps.column("iteration").to_pylist()) + 1
-    version = max(steps.column("weight_version").to_pylist())
-    if not rt.checkpoint_dir(version).exists():
-        raise FileNotFoundError(f"run {rt.run_id}: committed weight version {version} has no "
-                                f"checkpoint at {rt.checkpoint_dir(version)}; cannot resume")
+    committed = max(steps.column("weight_version").to_pylist())
+    version = resume_checkpoint(saved_versions(rt.checkpoint_root), committed)
+    if version is None:
+        raise FileNotFoundError(f"run {rt.run_id}: no checkpoint at or below the committed weight "
+                                f"version {committed} in {rt.checkpoint_root}; cannot resume")
     return start_iteration, version, rt.checkpoint_dir(version)

@@ -20,18 +20,37 @@ def train(rt: Runtime, training_slice: pa.Table) -> dict[str, float]:
 
 
 @task(name="publish_weights", cache_policy=NO_CACHE)
-def publish_weights(rt: Runtime, weight_version: int) -> str:
-    """Save weights ``v`` as an HF checkpoint (atomic rename) and hand them to the engine."""
-    path = rt.checkpoint_dir(weight_version)
-    rt.trainer.save(str(path))
-    fault_point("during_weight_handoff")
+def publish_weights(rt: Runtime, weight_version: int, save: bool = True, wait: bool = True) -> str | None:
+    """Hand weights ``v`` to the engine: in memory where it takes tensors, else from checkpoint
+    ``v`` on disk. The checkpoint is written when ``save`` or when the engine needs it (always
+    then); with ``wait`` False, and a trainer that can, in the background (trainers/checkpoint.py)
+    while the run goes on. Returns the checkpoint folder, or None when none is written."""
     weights = in_process_weights(rt)
+    path = rt.checkpoint_dir(weight_version)
+    if save or weights is None:
+        save_checkpoint(rt, path, background=not wait and weights is not None)
+    fault_point("during_weight_handoff")
     if weights is not None:
         rt.engine.load_state_dict(weights, weight_version)
     else:
         rt.engine.update_weights(str(path), weight_version)
     rt.prune_checkpoints(keep_version=weight_version)
-    return str(path)
+    return str(path) if save or weights is None else None
+
+
+def save_checkpoint(rt: Runtime, path, background: bool) -> None:
+    """``rt.trainer.save(path)``; in the background when asked and the trainer has a writer."""
+    if background and hasattr(rt.trainer, "checkpoint_writer"):
+        rt.trainer.save(str(path), background=True)
+    else:
+        rt.trainer.save(str(path))
+
+
+def wait_for_checkpoints(rt: Runtime) -> None:
+    """Block until the trainer's background checkpoint write (if any) is on disk; raise its error."""
+    writer = getattr(rt.trainer, "checkpoint_writer", None)
+    if writer is not None:
+        writer.wait()
 
 
 def in_process_weights(rt: Runtime) -> dict | None:

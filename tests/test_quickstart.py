@@ -119,7 +119,8 @@ def test_weights_changed_and_checkpoints_are_hf(quickstart):
     run_dir = Path(quickstart["home"]) / "runs" / RUN_ID
     base = load_file(Path(quickstart["warm_checkpoint"]) / "model.safetensors")
     last = load_file(run_dir / "checkpoints" / f"v{ITERATIONS:06d}" / "model.safetensors")
-    prev = load_file(run_dir / "checkpoints" / f"v{ITERATIONS - 1:06d}" / "model.safetensors")
+    interval = quickstart["cfg"].save_interval  # the previous checkpoint (save_interval)
+    prev = load_file(run_dir / "checkpoints" / f"v{ITERATIONS - interval:06d}" / "model.safetensors")
     assert base.keys() == last.keys()
     assert any(not (base[k] == last[k]).all() for k in base)
     assert any(not (prev[k] == last[k]).all() for k in base)

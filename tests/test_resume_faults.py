@@ -2,8 +2,10 @@
 Prefect say afterwards; with ``deterministic: true`` the final weights must equal, bit for bit,
 those of an uninterrupted run with the same seed.
 
-One run crashes at point k during iteration k (k = 0..len(POINTS)-1) and is resumed after each crash; a
-reference run goes uninterrupted (concurrently). The CLI runs in subprocesses against one shared
+One run crashes at point k during iteration k (k = 0..len(POINTS) - 1) and is resumed after each
+crash; a reference run goes uninterrupted (concurrently). Both save a checkpoint every iteration
+(``save_interval=1``, in the background) so that every checkpoint point is hit; resumes between
+saves are tested in tests/test_checkpoints.py. The CLI runs in subprocesses against one shared
 Prefect server (the server start dominates otherwise), except the first process, which uses its
 own embedded server: that server must die with it (no orphan left for resume to find).
 """
@@ -27,7 +29,8 @@ N_ITER = len(POINTS) + 1
 EVAL_INTERVAL = len(POINTS)  # evals after the during_mlflow_log crash's iteration and the last
 # crashes between the trajectories' commit and the train_steps row's: the next process trains
 # on the recorded samples of that iteration (reuse) instead of generating them again
-REUSING = list(POINTS)[list(POINTS).index("after_lake_append"):list(POINTS).index("during_mlflow_log")]
+# (during_background_write kills right after the row's commit: nothing left to reuse)
+REUSING = list(POINTS)[list(POINTS).index("after_lake_append"):list(POINTS).index("during_weight_handoff") + 1]
 # the tiny model never gets an addition right: with a 0/1 reward every advantage would be 0 and
 # the weights would move by weight decay alone, whatever the data; a length reward makes the
 # final weights depend on every trajectory
@@ -45,7 +48,8 @@ def shared(tmp_path_factory):
 def _args(home, run_id):
     return ["run", "--set", f"home={home}", "--set", f"run_id={run_id}", "--set", f"num_rollout={N_ITER}",
             "--set", f"eval.eval_interval={EVAL_INTERVAL}", "--set", "deterministic=true",
-            "--set", "keep_checkpoints=1", "--set", f"rollout.custom_rm_path={LENGTH_REWARD}", *TINY]
+            "--set", "keep_checkpoints=1", "--set", "save_interval=1",
+            "--set", f"rollout.custom_rm_path={LENGTH_REWARD}", *TINY]
 
 
 def _lake_invariants(home, run_id):

@@ -56,22 +56,26 @@ def _commit(rt: Runtime, version: int) -> None:
                                "sample_uids": []})
 
 
-def test_resume_point_uses_committed_not_newest_checkpoint(tmp_path):
+def test_resume_point_uses_newest_checkpoint_at_or_below_committed(tmp_path):
     rt = _runtime(tmp_path, keep=3)
     base = tmp_path / "base"
     assert resume_point(rt, base) == (0, 0, base)  # nothing yet: SFT runs again
-    for v in range(4):
+    for v in (0, 1, 3):
         rt.checkpoint_dir(v).mkdir(parents=True)
     assert resume_point(rt, base) == (0, 0, rt.checkpoint_dir(0))  # SFT done, no step
     for v in (1, 2):
         _commit(rt, v)
-    # v3 exists (saved) but has no train_steps row: a crash before the commit point
-    assert resume_point(rt, base) == (2, 2, rt.checkpoint_dir(2))
-    assert rt.latest_checkpoint() == 2
+    # v3 exists (saved) but has no train_steps row: a crash before the commit point; v2 was never
+    # saved (between save_interval saves): load v1, the committed step 1 -> 2 is re-trained
+    assert resume_point(rt, base) == (2, 1, rt.checkpoint_dir(1))
+    assert rt.latest_checkpoint() == 1
+    (rt.checkpoint_root / "v000002.tmp").mkdir()  # a write that never finished its rename
+    assert resume_point(rt, base) == (2, 1, rt.checkpoint_dir(1))
     import shutil
 
-    shutil.rmtree(rt.checkpoint_dir(2))
-    with pytest.raises(FileNotFoundError, match="committed weight version 2"):
+    for v in (0, 1):
+        shutil.rmtree(rt.checkpoint_dir(v))
+    with pytest.raises(FileNotFoundError, match="no checkpoint at or below the committed weight version 2"):
         resume_point(rt, base)
 
 
@@ -83,6 +87,18 @@ def test_prune_never_deletes_committed_or_newer(tmp_path):
         _commit(rt, v)
     rt.prune_checkpoints(keep_version=5)  # v4, v5 saved but not committed
     assert sorted(p.name for p in rt.checkpoint_root.iterdir()) == ["v000003", "v000004", "v000005"]
+
+
+def test_prune_keeps_what_a_resume_needs(tmp_path):
+    """Committed 7, saved v0, v5, v8 (uncommitted) with keep_checkpoints=1: the newest saved is v8,
+    but a resume needs v5 (the newest at or below the commit); v0 only goes without a reference."""
+    rt = _runtime(tmp_path, keep=1)
+    for v in (0, 5, 8):
+        rt.checkpoint_dir(v).mkdir(parents=True)
+    for v in range(1, 8):
+        _commit(rt, v)
+    rt.prune_checkpoints()
+    assert sorted(p.name for p in rt.checkpoint_root.iterdir()) == ["v000005", "v000008"]
 
 
 def _spawn_orphan(prefect_home: Path) -> int:

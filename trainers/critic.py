@@ -69,14 +69,15 @@ def make_critic_optimizer(critic: ValueModel, lr: float, weight_decay: float,
                              fused=fused)
 
 
-def save_critic(path: Path, critic: ValueModel, optimizer: torch.optim.Optimizer) -> None:
-    """The critic's weights and its optimizer state, in one file next to the policy."""
-    torch.save({"model": critic.state_dict(), "optimizer": optimizer.state_dict()}, path)
+def critic_state(critic: ValueModel, optimizer: torch.optim.Optimizer) -> dict:
+    """The critic's weights and its optimizer state, saved in one file (``CRITIC_FILE``) next to
+    the policy (live tensors: the checkpoint writer copies them)."""
+    return {"model": critic.state_dict(), "optimizer": optimizer.state_dict()}
 
 
 def load_critic(path: Path, config, lr: float, weight_decay: float, betas: tuple[float, float],
                 device: str = "cpu") -> tuple[ValueModel, torch.optim.Optimizer]:
-    """Rebuild what ``save_critic`` wrote (``config``: the policy's HF config) on ``device``."""
+    """Rebuild what ``critic_state`` saved (``config``: the policy's HF config) on ``device``."""
     state = torch.load(path, weights_only=False, map_location=device)
     critic = ValueModel.from_config(config, device)
     critic.load_state_dict(state["model"])

@@ -13,7 +13,6 @@ reference in ``trainers.reference``; formulas and choices: docs/algorithms.md. O
 from __future__ import annotations
 
 import random
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,18 +20,18 @@ import numpy as np
 import torch
 
 from infra.config import TrainerConfig
-from infra.faults import fault_point
 from infra.modeling import load_model
 from trainers import algorithms as alg
 from trainers import losses
 from trainers.base import PaddedBatch, TrainBatch, pad_batch
+from trainers.checkpoint import CheckpointWriter, Snapshot, read_files
 from trainers.critic import (
     CRITIC_FILE,
     ValueModel,
+    critic_state,
     load_critic,
     make_critic_optimizer,
     response_values,
-    save_critic,
 )
 from trainers.logprobs import chunked_logprobs, linear_head
 from trainers.losses import micro_weight
@@ -108,6 +107,9 @@ class TorchTrainer:
         self.critic: ValueModel | None = None
         self.critic_optimizer: torch.optim.Optimizer | None = None
         self._reference: torch.nn.Module | None = None
+        # read once: the folder the trainer came from may be a checkpoint pruned later
+        self._tokenizer_files = read_files(Path(model_dir), TOKENIZER_FILES)
+        self.checkpoint_writer = CheckpointWriter()
 
     def _load_policy(self, path: str) -> torch.nn.Module:
         """fp32 master weights on the device (bf16 runs under autocast, ``_compute``)."""
@@ -324,26 +326,21 @@ class TorchTrainer:
             group["lr"] = lr
 
     # ---- checkpoints ----
-    def save(self, checkpoint_dir: str) -> None:
+    def save(self, checkpoint_dir: str, background: bool = False) -> None:
         """HF checkpoint (+ tokenizer files), trainer_state.pt, and critic.pt (ppo: the critic
-        and its optimizer), written to a temp folder and renamed into place, so a crash never
-        leaves a half-written version. The reference is not saved: it is re-loaded."""
-        final = Path(checkpoint_dir)
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp)
-        for name in TOKENIZER_FILES:
-            src = Path(self.model_dir) / name
-            if src.exists():
-                shutil.copy(src, tmp / name)
-        torch.save({"optimizer": self.optimizer.state_dict(), "weight_version": self.weight_version,
-                    "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                    "numpy_rng": np.random.get_state()}, tmp / STATE_FILE)
+        and its optimizer). The state is copied to CPU memory here; ``checkpoint_writer`` writes
+        it to a temp folder, fsyncs it and renames it into place (trainers/checkpoint.py), so a
+        crash never leaves a half-written version under the final name. ``background``: return
+        once the copy is taken, the write overlapping what follows (the next save, or
+        ``checkpoint_writer.wait()``, joins it). The reference is not saved: it is re-loaded."""
+        files = {STATE_FILE: {"optimizer": self.optimizer.state_dict(),
+                              "weight_version": self.weight_version,
+                              "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                              "numpy_rng": np.random.get_state()}}
         if self.critic is not None:
-            save_critic(tmp / CRITIC_FILE, self.critic, self.critic_optimizer)
-        fault_point("during_checkpoint_save")
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+            files[CRITIC_FILE] = critic_state(self.critic, self.critic_optimizer)
+        snap = Snapshot.take(self.model, files, self._tokenizer_files)
+        self.checkpoint_writer.submit(checkpoint_dir, snap, background)
 
     def load(self, checkpoint_dir: str) -> None:
         self.model = self._load_policy(checkpoint_dir)
