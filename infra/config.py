@@ -226,6 +226,9 @@ class RunConfig(_Section):
     lake_uri: str | None = None
     storage_options: dict[str, str] = Field(default_factory=dict)
     seed: int = 0
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="async: rollout runs ahead of training by at most "
+                            "trainer.max_staleness versions (docs/operations.md)")
     num_rollout: int = Field(40, ge=0, description="RL iterations (slime: num_rollout)")
     deterministic: bool = False
     keep_checkpoints: int = Field(3, ge=1)
@@ -236,6 +239,22 @@ class RunConfig(_Section):
     trainer: TrainerConfig = TrainerConfig()
     sft: SFTConfig = SFTConfig()
     eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _async_mode(self) -> RunConfig:
+        if self.mode != "async":
+            return self
+        if self.trainer.max_staleness < 1:
+            raise ValueError("mode 'async' needs trainer.max_staleness >= 1 (how many versions "
+                             f"rollout may run ahead of training), got {self.trainer.max_staleness}")
+        if self.rollout.engine != "torch":
+            raise ValueError("mode 'async' supports rollout.engine 'torch' only (its weights are "
+                             f"handed over in memory), got '{self.rollout.engine}'")
+        if "use_tis" not in self.trainer.model_fields_set:
+            # stale samples need the off-policy correction (docs/algorithms.md): on unless the
+            # user chose explicitly
+            self.trainer.use_tis = True
+        return self
 
     @property
     def resolved_lake_uri(self) -> str:
