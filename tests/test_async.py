@@ -44,6 +44,41 @@ def test_mode_is_validated_and_async_turns_the_correction_on():
     assert not config_from_dict({"trainer": {"max_staleness": 1}}).trainer.use_tis
 
 
+def test_rollout_side_resumes_after_the_newest_batch_at_its_committed_position(tmp_path):
+    from buffer.synth import synthetic_rows
+    from infra.sides import batches_in_lake, resume_position
+    from rollout.context import RolloutOutput
+
+    lake = Lake(str(tmp_path / "lake"))
+    assert resume_position(lake, "r", 4) == (0, 0)
+    for batch, position in ((0, 5), (1, 11)):  # e.g. dynamic sampling drew more than 4 prompts
+        info = RolloutOutput(groups=[], stats={"rollout/data_position_end": float(position)})
+        lake.append_trajectories(synthetic_rows("r", batch, n=8), commit_info=info.commit_info())
+    lake.append_trajectories(synthetic_rows("r", 7, n=8, kind="eval"))  # not a rollout batch
+    assert batches_in_lake(lake, "r") == [0, 1]
+    assert resume_position(lake, "r", 4) == (2, 11)
+    lake.append_trajectories(synthetic_rows("r", 2, n=8))  # rows without stats: 4 per batch
+    assert resume_position(lake, "r", 4) == (3, 12)
+
+
+def test_mailbox_keeps_the_newest_weights_and_sees_stop():
+    import multiprocessing
+    import os
+
+    from flows.rollout_side import Mailbox
+
+    q = multiprocessing.get_context("spawn").Queue()
+    box = Mailbox(q, os.getppid())
+    for version in (3, 5, 4):
+        q.put(("weights", version, f"w{version}".encode()))
+    box.wait_for(5)
+    assert (box.version, box.payload, box.stopped) == (5, b"w5", False)
+    q.put(("stop",))
+    box.wait_for(9)  # returns on stop instead of waiting for version 9
+    assert box.stopped and box.version == 5
+    q.close()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("async-home")
