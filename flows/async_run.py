@@ -160,7 +160,8 @@ def train_iteration(rt: Runtime, producer: RolloutProcess, iteration: int) -> di
         producer.wait_for_batch(iteration)
     fault_point("after_lake_append")
     stats = producer.batch_stats(iteration)
-    stats = {k: v for k, v in stats.items() if not k.startswith("time/")}
+    # the rollout side's own phase times, kept apart from the training side's time/*
+    stats = {k.replace("time/", "rollout/time_"): v for k, v in stats.items()}
     reader = partial(_read_batch, batch=iteration)
     metrics = train_and_commit(rt, iteration, base_version, stats, timings, read_slice=reader)
     if iteration + 1 < rt.cfg.num_rollout:  # the rollout side has no batch left after
