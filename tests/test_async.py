@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -127,14 +129,14 @@ def _check_bound_and_accounting(train, steps, n_iter):
 
 
 def _prefect_runs(api_url, run_id, deadline_s=60.0):
-    """(flow runs, task runs) tagged with the run; waits for the rollout_batch task runs, which
-    Prefect's batched recorder writes a few seconds late (a hang guard, not a timing check)."""
+    """(flow runs by flow name, the rollout side's rollout_batch task runs), all tagged with the
+    run; waits for the task runs, which Prefect's batched recorder writes a few seconds late (a
+    hang guard, not a timing check)."""
     from prefect import get_client
     from prefect.client.schemas.filters import (
         FlowRunFilter,
         FlowRunFilterTags,
         TaskRunFilter,
-        TaskRunFilterName,
         TaskRunFilterTags,
     )
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -142,14 +144,19 @@ def _prefect_runs(api_url, run_id, deadline_s=60.0):
     end = time.monotonic() + deadline_s
     with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         while True:
-            flows = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
                 tags=FlowRunFilterTags(all_=[run_tag(run_id)])))
+            names = {fid: client.read_flow(fid).name for fid in {r.flow_id for r in runs}}
+            by_flow: dict[str, list] = {}
+            for r in runs:
+                by_flow.setdefault(names[r.flow_id], []).append(r)
+            producer = {r.id for r in by_flow.get("rollout_side", [])}
             tasks = client.read_task_runs(task_run_filter=TaskRunFilter(
-                tags=TaskRunFilterTags(all_=[run_tag(run_id)]),
-                name=TaskRunFilterName(like_="rollout_batch")))
-            done = [t for t in tasks if t.state_type and t.state_type.value == "COMPLETED"]
-            if len(done) >= N_ITER or time.monotonic() > end:
-                return flows, done
+                tags=TaskRunFilterTags(all_=[run_tag(run_id)])))
+            batches = [t for t in tasks if t.flow_run_id in producer and t.name.startswith("rollout_batch")
+                       and t.state_type and t.state_type.value == "COMPLETED"]
+            if len(batches) >= N_ITER or time.monotonic() > end:
+                return by_flow, batches
 
 
 @pytest.fixture(scope="module")
@@ -173,17 +180,21 @@ def test_no_trained_sample_is_older_than_k_versions(async_run):
 
 def test_rollout_batches_are_prefect_task_runs_linked_to_iterations(async_run):
     home, url = async_run
-    flows, batches = _prefect_runs(url, "bound")
-    iterations = [f for f in flows if f.name and f.flow_id and "rlake-batch:" in " ".join(f.tags)]
+    by_flow, batches = _prefect_runs(url, "bound")
+    [producer] = by_flow["rollout_side"]  # the rollout process's one flow run
+    assert producer.state_type.value == "COMPLETED"
+    iterations = by_flow["rl_iteration"]
     assert len(iterations) == N_ITER and all(f.state_type.value == "COMPLETED" for f in iterations)
-    batch_tags = {next(x for x in t.tags if x.startswith("rlake-batch:")) for t in batches}
-    assert batch_tags == {f"rlake-batch:{i}" for i in range(N_ITER)}
-    for f in iterations:  # each iteration names the batch it trained on, and that batch exists
-        tag = next(x for x in f.tags if x.startswith("rlake-batch:"))
-        assert tag in batch_tags
-    train, steps = _records(home, "bound")
-    for s in steps:  # ... and the lake agrees with the tag
-        assert {u.split("/")[1] for u in s["sample_uids"]} == {str(s["step"])}
+
+    def batch_of(run) -> str:
+        return next(x for x in run.tags if x.startswith("rlake-batch:"))
+
+    assert sorted(batch_of(t) for t in batches) == sorted(f"rlake-batch:{i}" for i in range(N_ITER))
+    # each iteration names the batch it trained on, which the lake confirms
+    _, steps = _records(home, "bound")
+    trained = {s["step"]: {u.split("/")[1] for u in s["sample_uids"]} for s in steps}
+    for f in iterations:
+        assert trained[f.parameters["iteration"]] == {batch_of(f).split(":")[1]}
 
 
 def test_kill9_then_resume_trains_what_the_lake_holds(server):
@@ -215,6 +226,41 @@ def test_kill9_then_resume_trains_what_the_lake_holds(server):
     for uid, row in pending.items():  # the same rows, not regenerated ones
         assert rows[uid]["created_at"] == row["created_at"], uid
         assert rows[uid]["response_token_ids"] == row["response_token_ids"], uid
+
+
+def _rollout_pid(mark: str, parent: int) -> int | None:
+    """The rollout process of the run ``parent`` (a child of it carrying the test's mark)."""
+    from infra.recovery import _ppid
+
+    kids = [p for p in pids_with_env("RLAKE_TEST_MARK", mark) if _ppid(p) == parent]
+    return next((p for p in kids if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text(
+        errors="replace")), None)
+
+
+def test_kill9_of_the_rollout_process_fails_the_run_and_resume_completes(server):
+    home, url = server
+    mark = uuid.uuid4().hex
+    log = home / "rollout-crash.log"
+    run = rlake(_args(home, "rollout-crash"), cli_env(url, RLAKE_TEST_MARK=mark), log,
+                background=True)
+    lake = Lake(str(home / "lake"))
+    end = time.monotonic() + 600  # hang guard: wait for two batches in the lake
+    while time.monotonic() < end and run.poll() is None:
+        rows = lake.read("trajectories", run_id="rollout-crash", columns=["iteration", "kind"])
+        if len({i for i, k in zip(rows.column("iteration").to_pylist(),
+                                  rows.column("kind").to_pylist(), strict=True) if k == "train"}) >= 2:
+            break
+        time.sleep(0.5)
+    pid = _rollout_pid(mark, run.pid)
+    assert pid is not None and run.poll() is None, tail(log)
+    os.kill(pid, signal.SIGKILL)
+    assert run.wait(timeout=600) not in (0, -signal.SIGKILL), tail(log)
+    assert "rollout process exited" in tail(log)
+    assert Lake(str(home / "lake")).get_run("rollout-crash")["status"] == "failed"
+
+    done = rlake(["resume", "rollout-crash", "--home", str(home)], cli_env(url), home / "r2.log")
+    assert done.returncode == 0, tail(home / "r2.log")
+    _check_bound_and_accounting(*_records(home, "rollout-crash"), N_ITER)
 
 
 def _paired_gain(lake: Lake, run_id: str, first: int, last: int) -> tuple[float, float, int]:
