@@ -74,7 +74,7 @@ def run_config(name: str, iterations: int) -> list[float]:
     home = tempfile.mkdtemp(prefix=f"rlake-prefect-{name}-")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update({**OFFLINE_ENV, **CONFIGS[name], "PREFECT_HOME": f"{home}/prefect",
-                "PYTHONPATH": str(ROOT)})
+                "PYTHONPATH": str(ROOT), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "600"})
     code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); "
             f"from bench.prefect_cost import measure; print('RESULT', json.dumps(measure({iterations})))")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
