@@ -1,6 +1,6 @@
 """Sync vs async: the quickstart's RL phase from one SFT checkpoint, in both modes, per seed.
 
-    python bench/async.py [--iterations 100] [--seeds 1 2 3] [--max-staleness 2]
+    python bench/async.py [--iterations 100] [--seeds 1 2 3] [--max-staleness 1]
                           [--checkpoint PATH] [--set key=value ...]
 
 Without ``--checkpoint`` it first runs the quickstart's SFT warm-up once (``num_rollout=0``).
@@ -96,7 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=100)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
-    parser.add_argument("--max-staleness", type=int, default=2, help="k for the async runs")
+    parser.add_argument("--max-staleness", type=int, default=1, help="k for the async runs")
     parser.add_argument("--checkpoint", type=Path, help="an SFT checkpoint (HF folder) to start from")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         help="config override for every run, e.g. rollout.rollout_batch_size=16")
