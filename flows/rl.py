@@ -24,6 +24,7 @@ from prefect import flow, tags
 from prefect.settings import temporary_settings
 from prefect.utilities.annotations import quote
 
+from flows.async_run import rollout_process, run_async
 from flows.durability import (
     fail_run,
     owned_run,
@@ -119,7 +120,9 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
                              tags={"rlake.run_id": rt.run_id}, mlflow_run_id=rt.mlflow_run_id)
             _update_run(rt, "running")
             start_or_recover(rt, resume)
-            with tags(run_tag(rt.run_id)):  # every subflow run carries the tag
+            # every subflow run carries the tag; async mode's rollout process starts now, so
+            # that its start-up overlaps the warm-up
+            with tags(run_tag(rt.run_id)), rollout_process(rt) as producer:
                 if rt.start_iteration == 0 and not rt.checkpoint_dir(0).exists():
                     if rt.cfg.sft.enabled and rt.cfg.sft.steps > 0:
                         reporter("sft_start", {"steps": rt.cfg.sft.steps})
@@ -132,10 +135,13 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
                     acc = evaluate(rt, rt.start_iteration)["accuracy"]
                     reporter("eval", {"iteration": rt.start_iteration, "accuracy": acc})
                 reporter("rl_start", {"start": rt.start_iteration, "total": rt.cfg.num_rollout})
-                for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
-                    metrics = rl_iteration(rt.run_id, iteration)
-                    reporter("iteration", {"iteration": iteration, **metrics})
-                    check_rewards(rt, iteration, metrics)
+                if rt.cfg.mode == "async":  # the rollout side runs ahead in its own process
+                    run_async(rt, reporter, producer)
+                else:
+                    for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
+                        metrics = rl_iteration(rt.run_id, iteration)
+                        reporter("iteration", {"iteration": iteration, **metrics})
+                        check_rewards(rt, iteration, metrics)
             _update_run(rt, "completed")
             rt.tracker.finish("FINISHED")
             return {"run_id": rt.run_id, "home": str(rt.home), "lake_uri": rt.cfg.resolved_lake_uri,

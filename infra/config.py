@@ -266,6 +266,9 @@ class RunConfig(_Section):
     lake_uri: str | None = None
     storage_options: dict[str, str] = Field(default_factory=dict)
     seed: int = 0
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="async: rollout runs ahead of training by at most "
+                            "trainer.max_staleness versions (docs/operations.md)")
     num_rollout: int = Field(40, ge=0, description="RL iterations (slime: num_rollout)")
     deterministic: bool = False
     keep_checkpoints: int = Field(3, ge=1)
@@ -292,6 +295,22 @@ class RunConfig(_Section):
         if self.rollout.num_engines > 1 and self.cluster.ray_address is None:
             raise ValueError(f"rollout.num_engines={self.rollout.num_engines} needs Ray: set "
                              "cluster.ray_address to 'local' or a cluster address (or num_engines: 1)")
+        return self
+
+    @model_validator(mode="after")
+    def _async_mode(self) -> RunConfig:
+        if self.mode != "async":
+            return self
+        if self.trainer.max_staleness < 1:
+            raise ValueError("mode 'async' needs trainer.max_staleness >= 1 (how many versions "
+                             f"rollout may run ahead of training), got {self.trainer.max_staleness}")
+        if self.rollout.engine != "torch":
+            raise ValueError("mode 'async' supports rollout.engine 'torch' only (its weights are "
+                             f"handed over in memory), got '{self.rollout.engine}'")
+        if "use_tis" not in self.trainer.model_fields_set:
+            # stale samples need the off-policy correction (docs/algorithms.md): on unless the
+            # user chose explicitly
+            self.trainer.use_tis = True
         return self
 
     @property

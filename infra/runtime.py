@@ -18,6 +18,7 @@ from infra.checkpoints import prunable, resume_checkpoint, saved_versions
 from infra.cluster import required_cpus
 from infra.config import RunConfig, config_from_dict
 from infra.modeling import build_tiny_model, load_tokenizer, placement
+from infra.sides import RolloutSide
 from infra.startup import new_run_id  # noqa: F401 - re-exported (flows.replay)
 from infra.tracking import Tracker
 from rollout.data import PromptDataset
@@ -33,15 +34,40 @@ def checkpoint_name(version: int) -> str:
     return f"v{version:06d}"
 
 
+class _OnRolloutSide:
+    """A ``Runtime`` attribute that lives on its ``rollout_side`` (one copy of the state)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else getattr(obj.rollout_side, self.name)
+
+    def __set__(self, obj, value) -> None:
+        setattr(obj.rollout_side, self.name, value)
+
+
 class Runtime:
-    """A plain class on purpose: Prefect walks dataclass task inputs looking for futures, which
+    """The two sides of a run in one process: its ``rollout_side`` (``infra.sides.RolloutSide``:
+    engine, tokenizer, prompt data and position, reward and rollout functions) and the training
+    side (trainer, tracker, checkpoints, evaluation), sharing the lake. Async mode runs a second
+    rollout side in its own process and keeps this one's engine for evaluation only.
+
+    A plain class on purpose: Prefect walks dataclass task inputs looking for futures, which
     would visit every prompt record and sample on each task call."""
+
+    engine: RolloutEngine | None = _OnRolloutSide()
+    tokenizer = _OnRolloutSide()
+    dataset: PromptDataset = _OnRolloutSide()
+    data_position: int = _OnRolloutSide()
+    reward_fn = _OnRolloutSide()
+    rollout = _OnRolloutSide()
 
     def __init__(self, cfg: RunConfig, run_id: str, home: Path, lake: Lake, tracker: Tracker,
                  tokenizer, dataset: PromptDataset, held_out: list[dict], reward_fn) -> None:
         self.cfg, self.run_id, self.home, self.lake, self.tracker = cfg, run_id, home, lake, tracker
-        self.tokenizer, self.dataset, self.held_out, self.reward_fn = tokenizer, dataset, held_out, reward_fn
-        self.engine: RolloutEngine | None = None
+        self.rollout_side = RolloutSide(cfg, run_id, lake, None, tokenizer, dataset)
+        self.held_out, self.reward_fn = held_out, reward_fn
         self.trainer: TorchTrainer | None = None
         self.start_iteration = 0
         self.mlflow_run_id: str | None = None
@@ -64,10 +90,7 @@ class Runtime:
         return self.checkpoint_root / checkpoint_name(version)
 
     def sampling(self, greedy: bool = False) -> SamplingParams:
-        r = self.cfg.rollout
-        return SamplingParams(max_new_tokens=r.rollout_max_response_len,
-                              temperature=0.0 if greedy else r.rollout_temperature,
-                              top_p=r.rollout_top_p)
+        return self.rollout_side.sampling(greedy)
 
     def committed_version(self) -> int:
         """The newest weight version named by a ``train_steps`` row (0 before the first): the

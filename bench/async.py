@@ -1,0 +1,124 @@
+"""Sync vs async: the quickstart's RL phase from one SFT checkpoint, in both modes, per seed.
+
+    python bench/async.py [--iterations 100] [--seeds 1 2 3] [--max-staleness 1]
+                          [--checkpoint PATH] [--set key=value ...]
+
+Without ``--checkpoint`` it first runs the quickstart's SFT warm-up once (``num_rollout=0``).
+Each (seed, mode) run starts from that checkpoint (``sft.enabled=false``), evaluates held-out
+greedy accuracy at the start and the end only, and is timed from the run's own progress events:
+s/iteration is the median gap between consecutive iterations' ends (iteration 0, which pays
+the rollout process's first batch, is left out), the RL wall runs from the start of the RL phase
+to the last iteration's end. Prints one line per run, then one JSON line.
+Timings on a shared machine are noisy: compare the two modes within one invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from infra.env import configure_environment  # noqa: E402
+
+
+def warm_checkpoint(home: Path, overrides: list[str]) -> Path:
+    """The quickstart's SFT warm-up alone; returns its weight version 0."""
+    from flows.rl import rl_run
+    from infra.config import load_config
+
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml",
+                      [f"home={home}", "num_rollout=0", *overrides])
+    rl_run(cfg.model_dump(), run_id="warmup")
+    return home / "runs" / "warmup" / "checkpoints" / "v000000"
+
+
+def run_once(home: Path, checkpoint: Path, mode: str, seed: int, iterations: int, k: int,
+             overrides: list[str]) -> dict:
+    """One RL phase; returns its figures (see the module docstring)."""
+    from buffer import Lake
+    from flows import rl
+    from infra.config import load_config
+
+    run_id = f"{mode}-s{seed}"
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", [
+        f"home={home}", f"model.path={checkpoint}", "sft.enabled=false", f"seed={seed}",
+        f"num_rollout={iterations}", f"eval.eval_interval={iterations}", f"mode={mode}",
+        f"trainer.max_staleness={k if mode == 'async' else 0}", *overrides])
+    events: list[tuple[str, float]] = []
+    rl.set_reporter(lambda event, payload: events.append((event, time.perf_counter())))
+    start = time.perf_counter()
+    try:
+        rl.rl_run(cfg.model_dump(), run_id=run_id)
+    finally:
+        rl.set_reporter(None)
+    total = time.perf_counter() - start
+    rl_start = next(t for e, t in events if e == "rl_start")
+    ends = [t for e, t in events if e == "iteration"]
+    gaps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+    lake = Lake(cfg.resolved_lake_uri)
+    acc = sorted((e["weight_version"], e["value"]) for e in lake.read("evals", run_id=run_id).to_pylist()
+                 if e["metric"] == "accuracy" and e["dataset"] == "held_out")
+    steps = lake.read("train_steps", run_id=run_id,
+                      columns=["n_samples", "staleness_mean", "staleness_max"]).to_pylist()
+    wall = ends[-1] - rl_start
+    return {"mode": mode, "seed": seed, "iterations": len(ends),
+            "s_per_iteration_median": statistics.median(gaps) if gaps else None,
+            "rl_wall_s": wall, "run_wall_s": total,
+            "samples_per_s": sum(s["n_samples"] for s in steps) / wall,
+            "accuracy_start": acc[0][1], "accuracy_end": acc[-1][1],
+            "staleness_mean": statistics.fmean(s["staleness_mean"] for s in steps),
+            "staleness_max": max(s["staleness_max"] for s in steps)}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per mode: the median over seeds of each figure; and async/sync of s/iteration."""
+    out: dict = {}
+    for mode in ("sync", "async"):
+        mine = [r for r in runs if r["mode"] == mode]
+        out[mode] = {key: statistics.median(r[key] for r in mine)
+                     for key in ("s_per_iteration_median", "samples_per_s", "rl_wall_s",
+                                 "accuracy_start", "accuracy_end", "staleness_mean",
+                                 "staleness_max")}
+        out[mode]["accuracy_end_per_seed"] = [r["accuracy_end"] for r in mine]
+    out["async_over_sync_s_per_iteration"] = (out["async"]["s_per_iteration_median"]
+                                              / out["sync"]["s_per_iteration_median"])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=100)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1])
+    parser.add_argument("--max-staleness", type=int, default=1, help="k for the async runs")
+    parser.add_argument("--checkpoint", type=Path, help="an SFT checkpoint (HF folder) to start from")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        help="config override for every run, e.g. rollout.rollout_batch_size=16")
+    parser.add_argument("--home", type=Path, help="state folder (default: a new temporary one)")
+    args = parser.parse_args()
+    home = (args.home or Path(tempfile.mkdtemp(prefix="rlake-bench-async-"))).resolve()
+    configure_environment(home)
+    checkpoint = args.checkpoint or warm_checkpoint(home / "warmup", args.overrides)
+    runs = []
+    for seed in args.seeds:
+        for mode in ("sync", "async"):  # alternated, so load drifts hit both modes alike
+            r = run_once(home / f"{mode}-s{seed}", checkpoint, mode, seed, args.iterations,
+                         args.max_staleness, args.overrides)
+            runs.append(r)
+            print(f"{mode:5s} seed {seed}: {r['s_per_iteration_median']:.3f} s/it, "
+                  f"{r['samples_per_s']:.0f} samples/s, RL wall {r['rl_wall_s']:.1f} s, accuracy "
+                  f"{r['accuracy_start']:.3f} -> {r['accuracy_end']:.3f}, staleness mean "
+                  f"{r['staleness_mean']:.2f} max {r['staleness_max']:.0f}", flush=True)
+    print(json.dumps({"bench": "async", "iterations": args.iterations, "seeds": args.seeds,
+                      "max_staleness": args.max_staleness, "checkpoint": str(checkpoint),
+                      **summarize(runs), "runs": runs}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Async mode (``mode: async``): the training side of the run; the rollout side runs in a second
+process (flows/rollout_side.py) and the two share only the lake and the weight hand-off.
+
+    rl_iteration(i)   (a Prefect flow run, tagged with the run and rlake-batch:i)
+      wait until rollout batch i is in the lake          (usually already: rollout runs ahead)
+      read batch i (unconsumed, version >= v - k)        -> train -> v+1 -> train_steps row
+      hand v+1 to the rollout side (in memory, after the commit: the rollout side never
+      generates with a version that a crash could take back)
+      evaluate (every eval_interval)
+
+Why a process and not a thread: the tiny model's generation and training are both dominated by
+Python-level per-op overhead, which holds the GIL, so a thread would mostly take turns with the
+trainer; a process uses the second core. The hand-off is a ``torch.save`` of the state dict
+through a multiprocessing queue (its feeder thread sends while training goes on).
+
+Iteration ``i`` trains on batch ``i``: one batch per iteration, oldest first, so batch b is
+trained at version b and the rollout side's wait (b - w <= k) is exactly the staleness bound.
+On a resume the rollout side starts after the newest batch in the lake, at the data position
+committed with it, with the committed weights; batches appended but not trained are trained,
+never regenerated.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+
+from prefect import flow, tags
+
+from flows.rollout_side import batch_tag, rollout_process_main
+from flows.guards import check_rewards
+from flows.steps import phase, train_and_commit
+from infra.faults import ENV as FAULT_ENV
+from infra.faults import fault_point, set_iteration
+from infra.recovery import run_tag
+from infra.runtime import Runtime
+from infra.sides import batches_in_lake, pack_weights
+from rollout.context import rollout_stats_from_commit
+from tasks.async_batches import read_rollout_batch
+from tasks.eval import evaluate
+from tasks.train import in_process_weights
+
+# no message from a live rollout side for this long means it hangs: fail rather than wait forever
+SILENCE_LIMIT_S = 900.0
+
+
+def current_api_url() -> str | None:
+    """The Prefect API this process talks to (the embedded server's when none is configured),
+    for the rollout side to record its runs in the same place."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if url:
+        return url
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    server.start()  # already running inside a flow: a no-op
+    return server.api_url
+
+
+class RolloutProcess:
+    """The training side's handle on the rollout side's process."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.appended = set(batches_in_lake(rt.lake, rt.run_id))  # a resume finds some
+        self.stats: dict[int, dict[str, float]] = {}
+        self.proc = None
+
+    def start(self, api_url: str | None) -> RolloutProcess:
+        ctx = multiprocessing.get_context("spawn")  # deltalake and torch do not survive fork
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        spec = {"config": self.rt.cfg.model_dump(), "run_id": self.rt.run_id,
+                "version": self.rt.trainer.weight_version, "parent_pid": os.getpid(),
+                "api_url": api_url, "run_tag": run_tag(self.rt.run_id)}
+        fault = os.environ.pop(FAULT_ENV, None)  # fault points name the training process's steps
+        try:
+            self.proc = ctx.Process(target=rollout_process_main, args=(spec, self.inbox, self.outbox),
+                                    name="rlake-rollout", daemon=True)
+            self.proc.start()
+        finally:
+            if fault is not None:
+                os.environ[FAULT_ENV] = fault
+        return self
+
+    def hand_off(self, version: int) -> None:
+        """Send the trainer's weights as ``version`` (returns at once; a feeder thread sends)."""
+        weights = in_process_weights_of(self.rt)
+        self.inbox.put(("weights", version, pack_weights(weights)))
+
+    def _receive(self, timeout: float) -> None:
+        try:
+            message = self.outbox.get(timeout=timeout)
+        except queue.Empty:
+            if not self.proc.is_alive():
+                raise RuntimeError(f"run {self.rt.run_id}: the rollout process exited "
+                                   f"(code {self.proc.exitcode}); `rlake resume` continues") from None
+            return
+        if message[0] == "error":
+            raise RuntimeError(f"run {self.rt.run_id}: the rollout side failed:\n{message[1]}")
+        if message[0] == "appended":
+            self.appended.add(message[1])
+            self.stats[message[1]] = message[2]
+        self.last_message = time.monotonic()
+
+    def wait_for_batch(self, batch: int) -> None:
+        """Block until rollout batch ``batch`` is in the lake (messages are read as they come)."""
+        self.last_message = time.monotonic()
+        while True:
+            self._receive(timeout=0.0 if batch in self.appended else 0.5)
+            if batch in self.appended:
+                return
+            if time.monotonic() - self.last_message > SILENCE_LIMIT_S:
+                raise RuntimeError(f"run {self.rt.run_id}: no word from the rollout side for "
+                                   f"{SILENCE_LIMIT_S:.0f} s while waiting for batch {batch}")
+
+    def batch_stats(self, batch: int) -> dict[str, float]:
+        """The batch's rollout stats: from its message, or (appended before a resume) from the
+        lake commit that holds its rows."""
+        if batch in self.stats:
+            return self.stats.pop(batch)
+        info = self.rt.lake.trajectory_commit_info(self.rt.run_id, batch)
+        return rollout_stats_from_commit(info) or {}
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.is_alive():
+            self.inbox.put(("stop",))
+            self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=10)
+        for q in (self.inbox, self.outbox):
+            q.cancel_join_thread()
+            q.close()
+        self.proc = None
+
+
+def in_process_weights_of(rt: Runtime) -> dict:
+    weights = in_process_weights(rt)
+    if weights is None:
+        raise RuntimeError("mode 'async' needs a trainer whose weights this process holds")
+    return weights
+
+
+def train_iteration(rt: Runtime, producer: RolloutProcess, iteration: int) -> dict[str, float]:
+    """The training side's iteration (see the module docstring)."""
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    base_version = rt.trainer.weight_version
+    set_iteration(iteration)
+    rt.seed_iteration(iteration)
+    with phase(timings, "wait_rollout"):
+        producer.wait_for_batch(iteration)
+    fault_point("after_lake_append")
+    stats = producer.batch_stats(iteration)
+    # the rollout side's own phase times, kept apart from the training side's time/*
+    stats = {k.replace("time/", "rollout/time_"): v for k, v in stats.items()}
+    reader = partial(_read_batch, batch=iteration)
+    metrics = train_and_commit(rt, iteration, base_version, stats, timings, read_slice=reader)
+    if iteration + 1 < rt.cfg.num_rollout:  # the rollout side has no batch left after
+        producer.hand_off(rt.trainer.weight_version)
+    timings["total"] = time.perf_counter() - start
+    metrics.update({f"time/{k}": v for k, v in timings.items()})
+    if (iteration + 1) % rt.cfg.eval.eval_interval == 0 or iteration + 1 == rt.cfg.num_rollout:
+        metrics["eval/accuracy"] = evaluate(rt, iteration + 1)["accuracy"]
+    return metrics
+
+
+def _read_batch(rt: Runtime, weight_version: int, batch: int):
+    return read_rollout_batch(rt, weight_version, batch)
+
+
+@contextmanager
+def rollout_process(rt: Runtime) -> Iterator[RolloutProcess | None]:
+    """Async mode: the rollout side's process, started now (it loads while the training side
+    warms up; it generates nothing before the first hand-off) and stopped on exit. Sync: None."""
+    if rt.cfg.mode != "async":
+        yield None
+        return
+    producer = RolloutProcess(rt).start(current_api_url())
+    try:
+        yield producer
+    finally:
+        producer.stop()
+
+
+def run_async(rt: Runtime, reporter: Callable[[str, dict], None], producer: RolloutProcess) -> None:
+    """Iterations ``rt.start_iteration .. num_rollout - 1`` with the rollout side running ahead.
+    The runtime is passed to the iteration flow by closure (a flow's parameters go to the
+    Prefect API, so only the run id and iteration are parameters)."""
+
+    @flow(name="rl_iteration")
+    def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
+        return train_iteration(rt, producer, iteration)
+
+    producer.hand_off(rt.trainer.weight_version)
+    for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
+        with tags(batch_tag(iteration)):  # links the iteration to the batch it trains on
+            metrics = rl_iteration(rt.run_id, iteration)
+        reporter("iteration", {"iteration": iteration, **metrics})
+        check_rewards(rt, iteration, metrics)

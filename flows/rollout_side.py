@@ -1,0 +1,130 @@
+"""Async mode's rollout side, in its own process: generate, score and append batch after batch.
+
+    loop b = next batch (from the lake) .. num_rollout - 1:
+        take the newest weights the training side sent (version w)
+        wait while b - w > k                      (AReaL's bound: batch b is trained at version b)
+        rollout_batch(b)  -> lake commit          (a Prefect task run tagged rlake-batch:b)
+        tell the training side "b appended"
+
+Batch b is the one training iteration b consumes (oldest first, one batch per iteration), so the
+wait keeps every trained sample within k versions of the trainer, after a resume too: the next
+batch and the data position are read back from the lake (``infra.sides.resume_position``), and
+the first weights are the committed version the training side resumed from.
+
+The process dies with its parent (``PR_SET_PDEATHSIG``): after a ``kill -9`` of the run, no
+orphan keeps appending while a resumed run's own rollout side starts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import signal
+import traceback
+from typing import Any
+
+BATCH_TAG = "rlake-batch:{}"
+PR_SET_PDEATHSIG = 1
+
+
+def batch_tag(batch: int) -> str:
+    """The Prefect tag of the rollout batch ``batch`` (the consuming iteration carries it too)."""
+    return BATCH_TAG.format(batch)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent dies (Linux); exit now if it already has."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not glibc: the mailbox's parent check still ends the loop
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+class Mailbox:
+    """Messages from the training side: ("weights", version, payload) and ("stop",). Keeps only
+    the newest weights; ``parent_pid`` gone ends the process (a last guard besides PDEATHSIG)."""
+
+    def __init__(self, inbox, parent_pid: int) -> None:
+        self.inbox, self.parent_pid = inbox, parent_pid
+        self.version, self.payload, self.stopped = -1, None, False
+
+    def _take(self, message: tuple) -> None:
+        if message[0] == "stop":
+            self.stopped = True
+        elif message[1] > self.version:
+            self.version, self.payload = message[1], message[2]
+
+    def poll(self, timeout: float | None = None) -> None:
+        """Take every waiting message; with ``timeout``, first wait up to that long for one."""
+        try:
+            if timeout is not None:
+                self._take(self.inbox.get(timeout=timeout))
+            while True:
+                self._take(self.inbox.get_nowait())
+        except queue.Empty:
+            pass
+        if os.getppid() != self.parent_pid:
+            os._exit(1)
+
+    def wait_for(self, min_version: int) -> None:
+        """Block until weights of at least ``min_version`` arrived (or stop)."""
+        self.poll()
+        while self.version < min_version and not self.stopped:
+            self.poll(timeout=1.0)
+
+
+def produce(side, mailbox: Mailbox, outbox, stop_at: int) -> None:
+    """The loop of the module docstring (runs inside the ``rollout_side`` flow)."""
+    from prefect import tags
+
+    from tasks.async_batches import rollout_batch
+
+    k = side.cfg.trainer.max_staleness
+    batch = side.next_batch
+    while batch < stop_at:
+        mailbox.wait_for(max(0, batch - k))
+        if mailbox.stopped:
+            return
+        if mailbox.payload is not None:  # newest weights, loaded once
+            side.load_weights(mailbox.payload, mailbox.version)
+            mailbox.payload = None
+        side.seed_batch(batch)
+        with tags(batch_tag(batch)):
+            stats = rollout_batch(side, batch)
+        outbox.put(("appended", batch, stats))
+        batch += 1
+
+
+def rollout_process_main(spec: dict[str, Any], inbox, outbox) -> None:
+    """Entry of the spawned process: ``spec`` = {config, run_id, version, parent_pid, api_url,
+    run_tag}. Reports ("ready", next batch), ("appended", b, stats), ("error", text)."""
+    die_with_parent(spec["parent_pid"])
+    if spec.get("api_url"):
+        os.environ["PREFECT_API_URL"] = spec["api_url"]
+    try:
+        from infra.config import config_from_dict
+        from infra.env import configure_environment
+
+        cfg = config_from_dict(spec["config"])
+        configure_environment(cfg.home, cfg.torch_threads)
+        from prefect import flow, tags
+        from prefect.settings import temporary_settings
+
+        from infra.sides import open_rollout_side
+
+        side = open_rollout_side(cfg, spec["run_id"], spec["version"])
+        outbox.put(("ready", side.next_batch))
+        mailbox = Mailbox(inbox, spec["parent_pid"])
+
+        @flow(name="rollout_side")
+        def rollout_side(run_id: str, first_batch: int) -> None:
+            produce(side, mailbox, outbox, cfg.num_rollout)
+
+        with temporary_settings(updates={"flows.heartbeat_frequency": None}), tags(spec["run_tag"]):
+            rollout_side(spec["run_id"], side.next_batch)
+    except BaseException:
+        outbox.put(("error", traceback.format_exc()))
+        raise

@@ -1,0 +1,52 @@
+"""Async mode's tasks: the rollout side appends one batch; the training side reads one batch."""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from buffer.lake import slice_lake_version
+from infra.runtime import Runtime
+from infra.sides import RolloutSide
+from tasks.rollout import generate_rollouts, score, write_rollout
+from trainers.metrics import rollout_metrics
+
+
+@task(name="rollout_batch", cache_policy=NO_CACHE)
+def rollout_batch(side: RolloutSide, batch: int) -> dict[str, float]:
+    """Batch ``batch`` with the engine's current weights: generate -> score -> one lake commit.
+    Returns its stats, which the commit also holds (a resumed trainer reads them from there)."""
+    start = time.perf_counter()
+    out = generate_rollouts.fn(side, batch)
+    generated = time.perf_counter()
+    failed = score.fn(side, out.samples)
+    scored = time.perf_counter()
+    out.stats.update(rollout_metrics(out.samples, generated - start))
+    out.stats.update({"rollout/failed": float(failed), "rollout/weight_version":
+                      float(side.engine.weight_version), "time/generate": generated - start,
+                      "time/score": scored - generated})
+    lake_version = write_rollout.fn(side, out, batch)
+    return {**out.stats, "time/lake_write": time.perf_counter() - scored,
+            "rollout/lake_version": float(-1 if lake_version is None else lake_version)}
+
+
+@task(name="read_rollout_batch", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+def read_rollout_batch(rt: Runtime, weight_version: int, batch: int) -> tuple[pa.Table, int]:
+    """The unconsumed samples of rollout batch ``batch`` (the oldest: iteration ``batch`` trains
+    on it) with version in [v - max_staleness, ...], and the lake version read. Refuses when
+    they are not the oldest unconsumed ones, or when none is within the bound (never silently
+    skips data)."""
+    k = rt.cfg.trainer.max_staleness
+    table = rt.lake.training_slice(rt.run_id, weight_version - k)
+    iterations = table.column("iteration")
+    chosen = table.filter(pc.equal(iterations, batch))
+    if chosen.num_rows == 0 or pc.min(iterations).as_py() != batch:
+        found = sorted(set(iterations.to_pylist()))
+        raise RuntimeError(f"run {rt.run_id}: iteration {batch} at weight version {weight_version} "
+                           f"expects rollout batch {batch} unconsumed within trainer.max_staleness="
+                           f"{k}; unconsumed batches found: {found[:10]}")
+    return chosen, slice_lake_version(table)
