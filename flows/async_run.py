@@ -32,8 +32,8 @@ from functools import partial
 
 from prefect import flow, tags
 
-from flows.rollout_side import batch_tag, rollout_process_main
 from flows.guards import check_rewards
+from flows.rollout_side import batch_tag, rollout_process_main
 from flows.steps import phase, train_and_commit
 from infra.faults import ENV as FAULT_ENV
 from infra.faults import fault_point, set_iteration
