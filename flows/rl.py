@@ -47,7 +47,7 @@ from tasks.train import publish_weights
 from trainers.metrics import rollout_metrics
 
 # Measured on these machines: heartbeats off + batched server writers make a flow run per
-# iteration cost ~0.2 s instead of ~1.2 s (shared/DESIGN.md). Only settable this way.
+# iteration cost ~0.2 s instead of ~1.2 s (docs/design.md). Only settable this way.
 FAST_FLOW_SETTINGS = {"flows.heartbeat_frequency": None}
 
 

@@ -30,7 +30,7 @@ OFFLINE_ENV = {
     "MLFLOW_LOGGING_LEVEL": "WARNING",
     "PREFECT_SERVER_LOGGING_LEVEL": "CRITICAL",
     # measured here: the embedded server needs time to start on a loaded 2-core machine, and
-    # batching its writers keeps a flow run per iteration cheap (shared/DESIGN.md)
+    # batching its writers keeps a flow run per iteration cheap (docs/design.md)
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300",
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "500",
     "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_BATCH_SIZE": "1000",
