@@ -62,6 +62,19 @@ def server_info(home: str | Path) -> dict | None:
     return info if pid_alive(int(info["pid"])) and healthy(info["url"]) else None
 
 
+def wait_until_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float,
+                       poll_s: float) -> None:
+    """Poll ``url`` until Prefect's server answers; a RuntimeError naming ``log`` when ``proc``
+    exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not healthy(url, timeout_s=1.0):
+        if proc.poll() is not None:
+            raise RuntimeError(f"Prefect's server exited with {proc.returncode}; see {log}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"Prefect's server did not answer within {timeout_s:.0f} s; see {log}")
+        time.sleep(poll_s)
+
+
 def ensure_server(home: str | Path, port: int | None = None, startup_timeout_s: float = 180.0) -> str:
     """The URL of this state folder's server, starting ``prefect server start`` if none runs.
 
@@ -81,16 +94,8 @@ def ensure_server(home: str | Path, port: int | None = None, startup_timeout_s: 
     with open(phome / "server.log", "ab") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + startup_timeout_s
     try:
-        while not healthy(url):
-            if proc.poll() is not None:
-                raise RuntimeError(f"prefect server exited with {proc.returncode}; "
-                                   f"see {phome / 'server.log'}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"prefect server did not answer within {startup_timeout_s:.0f} s; "
-                                   f"see {phome / 'server.log'}")
-            time.sleep(0.5)
+        wait_until_healthy(url, proc, phome / "server.log", startup_timeout_s, poll_s=0.5)
     except BaseException:  # a timeout, or a SIGTERM/Ctrl-C while it starts: leave no server behind
         _stop_group(proc.pid)
         raise
@@ -194,16 +199,9 @@ class EmbeddedServer:
         if self.proc is None:
             self._try_lock(blocking=True)
             self._spawn()
-        deadline = time.monotonic() + timeout_s
         try:
-            while not healthy(self.url, timeout_s=1.0):
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"Prefect's server exited with {self.proc.returncode}; "
-                                       f"see {self.phome / 'embedded-server.log'}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"Prefect's server did not answer within {timeout_s:.0f} s; "
-                                       f"see {self.phome / 'embedded-server.log'}")
-                time.sleep(0.1)
+            wait_until_healthy(self.url, self.proc, self.phome / "embedded-server.log", timeout_s,
+                               poll_s=0.1)
         finally:
             self._release()
         return self.url

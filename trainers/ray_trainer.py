@@ -27,6 +27,10 @@ from trainers.base import Trainer
 TRAINER_FAULT_ENV = "RLAKE_TRAINER_FAULT"  # "n": the trainer actor's process exits in its n-th train
 
 
+# attributes of the real trainer that only make sense in its own process: a background
+# checkpoint writer (a thread) cannot be driven through the actor
+LOCAL_ONLY = frozenset({"checkpoint_writer"})
+
 class TrainerActorDied(RuntimeError):
     """The trainer actor's process is gone; the run must resume from its last checkpoint."""
 
@@ -113,6 +117,8 @@ class RayTrainer:
         return self._call("train_sft", batch)
 
     def save(self, checkpoint_dir: str) -> None:
+        """Synchronous, inside the actor: a background write there could not be waited for
+        from here (``checkpoint_writer`` is not forwarded, so callers never ask for one)."""
         self._call("save", checkpoint_dir)
 
     def load(self, checkpoint_dir: str) -> None:
@@ -121,7 +127,7 @@ class RayTrainer:
     def __getattr__(self, name: str) -> Any:
         # only reached for names this class lacks: forward what the real trainer offers
         kinds = self.__dict__.get("_kinds") or {}
-        if name.startswith("_") or name not in kinds:
+        if name.startswith("_") or name not in kinds or name in LOCAL_ONLY:
             raise AttributeError(name)
         if kinds[name] == "value":
             return self._get(self.actor.get.remote(name))
