@@ -59,40 +59,33 @@ def engine_vs_generate(batch: int = 64, new_tokens: int = 64, reps: int = 5) -> 
 
 
 def iteration_split(iterations: int) -> dict:
-    """Run the pipeline (short SFT, ``iterations`` RL iterations) and read the split back: the
-    phase times from each ``train_steps`` row's ``timings`` JSON (what the iteration measured
-    inside its flow), ``record`` and ``total`` from the MLflow ``time/*`` metrics (they end after
-    the row is written), and ``wall``: the time between consecutive iterations' ends as the run
-    loop sees them, so Prefect's per-flow-run cost outside the flow function counts too."""
-    from buffer import Lake
+    """Run the pipeline (short SFT, ``iterations`` RL iterations) and read the split back from the
+    run loop's ``iteration`` events: each carries the iteration's ``time/*`` phases (``record``
+    and ``total`` end after the ``train_steps`` row is written, so only the event has them), and
+    ``wall``, the time between consecutive iterations' ends, counts Prefect's per-flow-run cost
+    outside the flow function too."""
     from flows.rl import rl_run, set_reporter
     from infra.config import load_config
-    from infra.tracking import Tracker
 
     home = tempfile.mkdtemp(prefix="rlake-bench-")
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml",
                       [f"home={home}", f"num_rollout={iterations}", "sft.steps=20",
                        f"eval.eval_interval={iterations + 1}"])
     configure_environment(home)
-    ends: list[float] = []
-    set_reporter(lambda event, payload: ends.append(time.perf_counter()) if event == "iteration" else None)
+    events: list[tuple[float, dict]] = []
+
+    def on_event(event: str, payload: dict) -> None:
+        if event == "iteration":
+            events.append((time.perf_counter(), payload))
+
+    set_reporter(on_event)
     try:
         rl_run(cfg.model_dump(), run_id="bench")
     finally:
         set_reporter(None)
-    lake = Lake(cfg.resolved_lake_uri)
-    steps = sorted(lake.read("train_steps", run_id="bench").to_pylist(), key=lambda s: s["step"])
-    mlflow_run = lake.get_run("bench")["mlflow_run_id"]
-    client = Tracker(Path(home)).client
-    late = {name: {m.step: m.value for m in client.get_metric_history(mlflow_run, f"time/{name}")}
-            for name in ("record", "total")}
     # iteration 0 pays one-off warm-up (and its wall has no previous end): leave it out
-    rows = []
-    for prev_end, end, step in zip(ends, ends[1:], steps[1:], strict=False):
-        row = json.loads(step["timings"] or "{}")
-        row.update({name: late[name].get(step["step"], 0.0) for name in late})
-        row["wall"] = end - prev_end
-        rows.append(row)
+    rows = [{**{k[5:]: v for k, v in payload.items() if k.startswith("time/")}, "wall": end - prev}
+            for (prev, _), (end, payload) in zip(events, events[1:], strict=False)]
     out = {name: statistics.median(r.get(name, 0.0) for r in rows) for name in [*PHASES, "total", "wall"]}
     out["in_flow_other"] = out["total"] - sum(out[p] for p in PHASES)
     out["outside_flow"] = out["wall"] - out["total"]
