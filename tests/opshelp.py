@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,3 +60,14 @@ def pids_with_env(key: str, value: str) -> list[int]:
             if _environ(pid).get(key) == value and pid_alive(pid):
                 found.append(pid)
     return sorted(found)
+
+
+def shared_prefect_server(tmp_path_factory, name: str) -> Iterator[tuple[Path, str]]:
+    """Body of a module-scoped fixture: one Prefect server for a test module's CLI runs (its
+    start dominates otherwise), stopped after the module: yields (home, api_url)."""
+    from infra.prefect_server import ensure_server, stop_server
+
+    home = tmp_path_factory.mktemp(name)
+    url = ensure_server(home)
+    yield home, url
+    stop_server(home)

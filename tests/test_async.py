@@ -20,9 +20,8 @@ import pytest
 
 from buffer import Lake
 from infra.config import ConfigError, config_from_dict
-from infra.prefect_server import ensure_server, stop_server
 from infra.recovery import run_tag
-from tests.opshelp import TINY, cli_env, pids_with_env, rlake, tail
+from tests.opshelp import TINY, cli_env, pids_with_env, rlake, shared_prefect_server, tail
 
 K = 2
 N_ITER = 6
@@ -83,10 +82,7 @@ def test_mailbox_keeps_the_newest_weights_and_sees_stop():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("async-home")
-    url = ensure_server(home)
-    yield home, url
-    stop_server(home)
+    yield from shared_prefect_server(tmp_path_factory, "async-home")
 
 
 def _args(home, run_id, n_iter=N_ITER):

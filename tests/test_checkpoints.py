@@ -20,9 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from infra.checkpoints import checkpoint_due, prunable, rebuild_chain, saved_versions, stale_folders
-from infra.prefect_server import ensure_server, stop_server
 from infra.recovery import run_tag
-from tests.opshelp import TINY, cli_env, rlake, tail
+from tests.opshelp import TINY, cli_env, rlake, shared_prefect_server, tail
 from tests.trainer_fixtures import build_model, make_batch, params, trainer
 from trainers.checkpoint import CheckpointWriteError, Snapshot, cpu_copy, write_snapshot
 from trainers.torch_trainer import STATE_FILE
@@ -192,10 +191,7 @@ def _assert_bitwise_equal(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
-    home = tmp_path_factory.mktemp("ckpt-home")
-    url = ensure_server(home)
-    yield home, url
-    stop_server(home)
+    yield from shared_prefect_server(tmp_path_factory, "ckpt-home")
 
 
 def test_save_interval_and_resume_between_saves_rebuild_from_the_lake(shared):

@@ -21,9 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 from infra.faults import POINTS
-from infra.prefect_server import ensure_server, stop_server
 from infra.recovery import pid_alive, prefect_servers, run_tag
-from tests.opshelp import TINY, cli_env, rlake, tail
+from tests.opshelp import TINY, cli_env, rlake, shared_prefect_server, tail
 
 N_ITER = len(POINTS) + 1
 EVAL_INTERVAL = len(POINTS)  # evals after the during_mlflow_log crash's iteration and the last
@@ -39,10 +38,7 @@ LENGTH_REWARD = "tests.opshelp:length_reward"
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
-    home = tmp_path_factory.mktemp("resume-home")
-    url = ensure_server(home)
-    yield home, url
-    stop_server(home)
+    yield from shared_prefect_server(tmp_path_factory, "resume-home")
 
 
 def _args(home, run_id):

@@ -20,9 +20,8 @@ from safetensors.torch import load_file
 
 from buffer import Lake
 from buffer.lake import trajectory_guard
-from infra.prefect_server import ensure_server, stop_server
 from rollout.context import ROLLOUT_STATS_KEY
-from tests.opshelp import TINY, cli_env, rlake, tail
+from tests.opshelp import TINY, cli_env, rlake, shared_prefect_server, tail
 
 N_ITER, CRASH = 4, 2
 DYNAMIC = ["--set", "rollout.over_sampling_batch_size=6", "--set", "rollout.generation_chunk_tokens=2",
@@ -33,10 +32,7 @@ REUSED = f"iteration {CRASH}: reusing its 16 samples already in the lake (no gen
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
-    home = tmp_path_factory.mktemp("reuse-home")
-    url = ensure_server(home)
-    yield home, url
-    stop_server(home)
+    yield from shared_prefect_server(tmp_path_factory, "reuse-home")
 
 
 def _args(home: Path, run_id: str) -> list[str]:
