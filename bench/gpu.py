@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
@@ -126,6 +127,9 @@ def engine_figures(engine, model_dir: Path, device: str, dtype: str, gen_batch: 
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
     engine.eos_token_id = -1  # never stop early: every row makes new_tokens tokens
     eng_s = timed(lambda: engine.generate(prompts, sp), device, repeat=2)
+    graphed, engine.cuda_graph = engine.cuda_graph, False
+    eager_s = timed(lambda: engine.generate(prompts, sp), device, repeat=2) if graphed else eng_s
+    engine.cuda_graph = graphed
     hf = load_model(model_dir, device, dtype).eval()
     ids = torch.tensor(prompts, device=device)
 
@@ -137,22 +141,28 @@ def engine_figures(engine, model_dir: Path, device: str, dtype: str, gen_batch: 
     hf = None
     free(device)
     total = gen_batch * new_tokens
-    return {"engine_tokens_per_s": total / eng_s, "hf_generate_tokens_per_s": total / hf_s,
+    return {"engine_tokens_per_s": total / eng_s, "engine_eager_tokens_per_s": total / eager_s,
+            "hf_generate_tokens_per_s": total / hf_s,
             "engine_speedup_vs_hf": hf_s / eng_s}
+
+
+def engine_for(model_dir: Path, args, device: str, dtype: str):
+    from rollout.torch_engine import TorchEngine
+
+    return TorchEngine(str(model_dir), eos_token_id=2, pad_token_id=0, device=device,
+                       dtype=dtype, max_batch_size=args.gen_batch, cuda_graph=device == "cuda")
 
 
 def torch_figures(model_dir: Path, batch, args, device: str, dtype: str) -> dict[str, float]:
     """Torch trainer step, engine vs HF generate, in-process hand-off, save."""
     from infra.config import TrainerConfig
-    from rollout.torch_engine import TorchEngine
     from trainers.torch_trainer import TorchTrainer
 
     cfg = TrainerConfig(lr=1e-6, global_batch_size=len(batch), micro_batch_size=args.micro,
                         recompute_granularity=args.recompute)
     trainer = TorchTrainer(str(model_dir), cfg, 8, device=device, dtype=dtype)
     step_s = timed(lambda: trainer.train(batch), device, args.repeat)
-    engine = TorchEngine(str(model_dir), eos_token_id=2, pad_token_id=0, device=device,
-                         dtype=dtype, max_batch_size=args.gen_batch)
+    engine = engine_for(model_dir, args, device, dtype)
     handoff_s = timed(lambda: engine.load_state_dict(trainer.state_dict(), 1), device, repeat=3)
     with tempfile.TemporaryDirectory() as d:
         save_s = timed(lambda: trainer.save(str(Path(d) / "ckpt")), device, repeat=1, warmup=0)
@@ -186,23 +196,47 @@ def megatron_figures(model_dir: Path, batch, args, dtype: str) -> dict[str, floa
     return {"megatron_trainer_step_s": step_s, "megatron_hf_state_dict_s": gather_s}
 
 
-def bench_shape(name: str, args, device: str, dtype: str) -> dict[str, float]:
+def measured(out: dict, errors: dict, name: str, fn) -> None:
+    """Runs one measurement section into ``out``; a failure is recorded under ``errors[name]``
+    (its traceback to stderr) so the other sections still run and print."""
+    try:
+        out.update(fn())
+    except Exception as exc:  # noqa: BLE001 - one broken section must not hide the others
+        traceback.print_exc()
+        errors[name] = f"{type(exc).__name__}: {exc}"[:500]
+    free("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def bench_shape(name: str, args, device: str, dtype: str) -> dict:
     shape = SHAPES[name]
     args.vocab = shape["vocab_size"]
     batch = random_batch(args.batch, args.seq, args.prompt, args.vocab)
     tokens = args.batch * args.seq
+    out: dict[str, float] = {}
+    errors: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as d:
         model_dir = Path(d) / name
-        out = {"params": float(build_model(model_dir, shape, args.seq + args.gen_tokens + 16))}
-        out["hf_step_s"] = hf_step_seconds(model_dir, batch, args.micro, device, dtype,
-                                           args.repeat)
-        out.update(torch_figures(model_dir, batch, args, device, dtype))
-        if not args.skip_megatron:
-            out.update(megatron_figures(model_dir, batch, args, dtype))
+        out["params"] = float(build_model(model_dir, shape, args.seq + args.gen_tokens + 16))
+        if args.engine_only:
+            measured(out, errors, "engine", lambda: engine_figures(
+                engine_for(model_dir, args, device, dtype), model_dir, device, dtype,
+                args.gen_batch, args.gen_tokens, args.vocab))
+        else:
+            measured(out, errors, "hf_step", lambda: {"hf_step_s": hf_step_seconds(
+                model_dir, batch, args.micro, device, dtype, args.repeat)})
+            measured(out, errors, "torch", lambda: torch_figures(model_dir, batch, args, device,
+                                                                 dtype))
+        if not args.skip_megatron and not args.engine_only:
+            measured(out, errors, "megatron", lambda: megatron_figures(model_dir, batch, args,
+                                                                       dtype))
     for key in ("hf_step_s", "torch_trainer_step_s", "megatron_trainer_step_s"):
         if key in out:  # training tokens per second of one call
             out[key.removesuffix("_s") + "_tokens_per_s"] = tokens / out[key]
-    return {k: round(v, 4) for k, v in out.items()}
+    result: dict = {k: round(v, 4) for k, v in out.items()}
+    if errors:
+        result["errors"] = errors
+    print(json.dumps({"shape": name, **result}), flush=True)  # partial line: survives a later crash
+    return result
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -219,6 +253,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--recompute", choices=["full"], default=None,
                    help="activation checkpointing in the torch trainer")
     p.add_argument("--skip-megatron", action="store_true")
+    p.add_argument("--engine-only", action="store_true",
+                   help="only the engine (CUDA graph and eager) against HF generate")
     args = p.parse_args(argv)
     small = dict(shapes="tiny", batch=8, seq=24, prompt=8, micro=4, gen_batch=4, gen_tokens=8)
     large = dict(shapes="0.5b,1.5b", batch=64, seq=512, prompt=64, micro=8, gen_batch=64,
@@ -250,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         result["shapes"][name] = bench_shape(name, args, device, dtype)
-    print(json.dumps(result))
-    return 0
+    print(json.dumps(result), flush=True)
+    return 1 if any("errors" in r for r in result["shapes"].values()) else 0
 
 
 if __name__ == "__main__":

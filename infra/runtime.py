@@ -152,7 +152,8 @@ def _make_engine(cfg: RunConfig, model_dir: Path, tokenizer, version: int) -> Ro
 
         device, dtype = placement(cfg.device, cfg.dtype)
         build = partial(TorchEngine, str(model_dir), tokenizer.eos_token_id, tokenizer.pad_token_id,
-                        weight_version=version, seed=cfg.seed, device=device, dtype=dtype)
+                        weight_version=version, seed=cfg.seed, device=device, dtype=dtype,
+                        cuda_graph=cfg.rollout.cuda_graph)
     else:
         from rollout.sglang import SGLangEngine
 

@@ -118,13 +118,17 @@ class FastDecoder:
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [B, S, 1, d] for ``positions`` from a table grown on demand."""
-        needed = int(positions.max()) + 1
+        self.ensure_rope(int(positions.max()) + 1)
+        return self._cos[positions][:, :, None], self._sin[positions][:, :, None]
+
+    def ensure_rope(self, needed: int) -> None:
+        """Grow the cos/sin tables to at least ``needed`` positions (before a CUDA graph capture,
+        which must not reallocate them)."""
         if self._cos.shape[0] < needed:
             table = torch.arange(max(needed, 2 * self._cos.shape[0], 64), device=self.device)
             cos, sin = rope_tables(table, self.head_dim, self.rope_base)
             # tables computed in fp32, stored in the weights' dtype as HF applies them
             self._cos, self._sin = cos.to(self.dtype), sin.to(self.dtype)
-        return self._cos[positions][:, :, None], self._sin[positions][:, :, None]
 
     def new_cache(self, batch: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The preallocated KV cache [L, B, kvh, max_len, d] in the weights' dtype/device."""
@@ -155,28 +159,59 @@ class FastDecoder:
         else:  # decode: one additive bias for every layer (measured faster than SDPA here)
             bias = torch.zeros(allowed.shape, dtype=self.dtype, device=dev).masked_fill_(
                 ~allowed, float("-inf"))
-        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         for li, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, self.eps)
-            qkv = torch.nn.functional.linear(x, layer.qkv_w, layer.qkv_b)
-            qk = apply_rope(qkv[..., :q_size + kv_size].view(bsz, seq, -1, self.head_dim), cos, sin)
-            q, k = qk.transpose(1, 2).split([self.n_heads, self.n_kv], dim=1)
-            v = qkv[..., q_size + kv_size:]
-            k_cache[li, :, :, start:end] = k
-            v_cache[li, :, :, start:end] = v.view(bsz, seq, self.n_kv, self.head_dim).transpose(1, 2)
-            if seq > 1:
-                attn = torch.nn.functional.scaled_dot_product_attention(
-                    q, k_cache[li, :, :, :end], v_cache[li, :, :, :end], attn_mask=allowed, enable_gqa=True)
-                attn = attn.transpose(1, 2).reshape(bsz, seq, q_size)
-            else:
-                attn = decode_attention(q, k_cache[li, :, :, :end], v_cache[li, :, :, :end], bias)
-                attn = attn.reshape(bsz, 1, q_size)
-            h = h + torch.nn.functional.linear(attn, layer.o_w)
-            x = rms_norm(h, layer.post_norm, self.eps)
-            gate, up = torch.nn.functional.linear(x, layer.gate_up_w).chunk(2, dim=-1)
-            h = h + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, layer.down_w)
+            def attend(q, k, v, li=li):
+                k_cache[li, :, :, start:end] = k
+                v_cache[li, :, :, start:end] = v
+                if seq > 1:
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        q, k_cache[li, :, :, :end], v_cache[li, :, :, :end], attn_mask=allowed,
+                        enable_gqa=True).transpose(1, 2)
+                return decode_attention(q, k_cache[li, :, :, :end], v_cache[li, :, :, :end], bias)
+            h = self._layer(layer, h, cos, sin, attend)
         last = rms_norm(h[:, -1], self.final_norm, self.eps)
         return torch.nn.functional.linear(last, self.lm_head)
+
+    def _layer(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               attend) -> torch.Tensor:
+        """One decoder layer on h [B, S, hidden]; ``attend(q, k, v)`` (q [B, h, S, d], k/v
+        [B, kvh, S, d]) writes the cache and returns the attention output [B, S, h, d]."""
+        bsz, seq = h.shape[:2]
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        x = rms_norm(h, layer.input_norm, self.eps)
+        qkv = torch.nn.functional.linear(x, layer.qkv_w, layer.qkv_b)
+        qk = apply_rope(qkv[..., :q_size + kv_size].view(bsz, seq, -1, self.head_dim), cos, sin)
+        q, k = qk.transpose(1, 2).split([self.n_heads, self.n_kv], dim=1)
+        v = qkv[..., q_size + kv_size:].view(bsz, seq, self.n_kv, self.head_dim).transpose(1, 2)
+        attn = attend(q, k, v).reshape(bsz, seq, q_size)
+        h = h + torch.nn.functional.linear(attn, layer.o_w)
+        x = rms_norm(h, layer.post_norm, self.eps)
+        gate, up = torch.nn.functional.linear(x, layer.gate_up_w).chunk(2, dim=-1)
+        return h + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, layer.down_w)
+
+    @torch.no_grad()
+    def decode_static(self, ids: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
+                      cache: tuple[torch.Tensor, torch.Tensor], start: torch.Tensor) -> torch.Tensor:
+        """One decode step with every shape fixed and no host synchronisation, so it can be
+        captured in a CUDA graph: ids/positions [B, 1], ``start`` a 1-element long tensor (the
+        cache slot written), attention over all T cache slots with slot j allowed iff
+        key_valid[:, j] and j <= start. The rope tables must already cover the positions
+        (``ensure_rope``). Returns the logits [B, vocab]."""
+        k_cache, v_cache = cache
+        h = self.embed[ids]
+        cos, sin = self._cos[positions][:, :, None], self._sin[positions][:, :, None]
+        slots = torch.arange(k_cache.shape[3], device=ids.device)
+        allowed = (key_valid & (slots <= start))[:, None, None, :]
+        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=ids.device).masked_fill_(
+            ~allowed, float("-inf"))
+        for li, layer in enumerate(self.layers):
+            def attend(q, k, v, li=li):
+                k_cache[li].index_copy_(2, start, k)
+                v_cache[li].index_copy_(2, start, v)
+                return decode_attention(q, k_cache[li], v_cache[li], bias)
+            h = self._layer(layer, h, cos, sin, attend)
+        return torch.nn.functional.linear(rms_norm(h[:, -1], self.final_norm, self.eps),
+                                          self.lm_head)
 
 
 def _cat(parts: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:

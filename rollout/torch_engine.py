@@ -11,8 +11,11 @@ import torch
 from transformers import DynamicCache
 
 from infra.modeling import load_model
+from rollout.cuda_graph import GraphedDecode, graph_slots
 from rollout.engine import GenerationResult, SamplingParams
 from rollout.fast_decoder import FastDecoder, supports
+
+MAX_GRAPHS = 4  # captured decode graphs kept per engine (each holds its own KV cache)
 
 
 def sample_next_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
@@ -58,14 +61,21 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 class TorchEngine:
     """In-process engine over an HF causal LM on ``device`` in ``dtype`` (resolved names:
     cpu|cuda, fp32|bf16). ``update_weights`` reloads an HF checkpoint; ``load_state_dict``
-    copies a trainer's tensors into the engine's own (device to device, casting if needed)."""
+    copies a trainer's tensors into the engine's own (device to device, casting if needed).
+    With ``cuda_graph`` (``rollout.cuda_graph``; untested on GPU, so opt-in) the decode step
+    on CUDA is replayed as a CUDA graph."""
 
     name = "torch"
 
     def __init__(self, model_dir: str, eos_token_id: int, pad_token_id: int,
                  weight_version: int = 0, seed: int = 0, max_batch_size: int = 512,
-                 device: str = "cpu", dtype: str = "fp32"):
+                 device: str = "cpu", dtype: str = "fp32", cuda_graph: bool = False):
         self.device, self.dtype = device, dtype
+        self.cuda_graph = cuda_graph and device == "cuda"
+        # graphs point at the fast decoder's tensors: valid while it lives (load_state_dict
+        # copies in place), dropped with it (update_weights builds a new one)
+        self._graphs: dict[tuple[int, int], GraphedDecode] = {}
+        self._graph_pool = None
         self.model = load_model(model_dir, device, dtype).eval()
         self.fast = FastDecoder(self.model) if supports(self.model.config) else None
         self.eos_token_id = eos_token_id
@@ -81,6 +91,7 @@ class TorchEngine:
     def update_weights(self, checkpoint_dir: str, weight_version: int) -> None:
         self.model = load_model(checkpoint_dir, self.device, self.dtype).eval()
         self.fast = FastDecoder(self.model) if supports(self.model.config) else None
+        self._graphs.clear()
         self._weight_version = weight_version
 
     @torch.no_grad()
@@ -100,6 +111,7 @@ class TorchEngine:
 
     def shutdown(self) -> None:
         self.model = self.fast = None
+        self._graphs.clear()
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[GenerationResult]:
@@ -155,11 +167,21 @@ class TorchEngine:
                                  finish_reason="stop" if stopped[i] else "length")
                 for i in range(batch)]
 
-    def _stepper(self, batch: int, max_len: int) -> _FastStep | _HFStep:
-        """The decode step: the fast decoder over a preallocated cache, else HF's forward."""
-        if self.fast is not None:
+    def _stepper(self, batch: int, max_len: int) -> _FastStep | _GraphStep | _HFStep:
+        """The decode step: a CUDA graph of the fast decoder's static step on CUDA, else the
+        fast decoder over a preallocated cache, else HF's forward."""
+        if self.fast is None:
+            return _HFStep(self.model)
+        if not self.cuda_graph:
             return _FastStep(self.fast, self.fast.new_cache(batch, max_len))
-        return _HFStep(self.model)
+        key = (batch, graph_slots(max_len))
+        if key not in self._graphs:
+            if len(self._graphs) >= MAX_GRAPHS:
+                self._graphs.pop(next(iter(self._graphs)))
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            self._graphs[key] = GraphedDecode(self.fast, batch, key[1], pool=self._graph_pool)
+        return _GraphStep(self._graphs[key])
 
 
 def should_compact(n_done: int, n_rows: int) -> bool:
@@ -181,6 +203,23 @@ class _FastStep:
         """Keep only rows ``keep`` [B] bool of the cache [L, B, kvh, T, d]."""
         self.cache = (self.cache[0][:, keep], self.cache[1][:, keep])
         return True
+
+
+class _GraphStep:
+    """Decode steps replayed from a captured graph; rows are never compacted (fixed shapes)."""
+
+    def __init__(self, graphed: GraphedDecode) -> None:
+        self.graphed, self.began = graphed, False
+
+    def forward(self, ids, pos, valid, start) -> torch.Tensor:
+        if not self.began:
+            self.graphed.begin(valid)
+            self.began = True
+            return self.graphed.prefill(ids, pos)
+        return self.graphed.decode(ids, pos, start)
+
+    def compact(self, keep: torch.Tensor) -> bool:
+        return False
 
 
 class _HFStep:

@@ -196,6 +196,35 @@ def test_in_process_hand_off_copies_into_the_engine_without_reallocating(chaotic
     assert greedy(engine, ()) == greedy(fresh, ())
 
 
+def graphed_greedy(engine: TorchEngine, stop: tuple[int, ...], monkeypatch) -> list[list[int]]:
+    """greedy() through the CUDA-graph step's static code path, run eagerly (no capture)."""
+    from rollout.cuda_graph import GraphedDecode, graph_slots
+    from rollout.torch_engine import _GraphStep
+
+    made = []
+
+    def stepper(batch, max_len):
+        made.append(GraphedDecode(engine.fast, batch, graph_slots(max_len), capture=False))
+        return _GraphStep(made[-1])
+    monkeypatch.setattr(engine, "_stepper", stepper)
+    out = greedy(engine, stop)
+    assert made and made[0].slots % 64 == 0 and made[0].cache[0].shape[3] == made[0].slots
+    monkeypatch.undo()
+    return out
+
+
+def test_static_decode_step_gives_the_fast_decoders_tokens(chaotic, monkeypatch):
+    """The step a CUDA graph captures (fixed cache of T slots, slot index as a tensor, masked
+    attention over all slots, no compaction) decodes the same greedy tokens as the dynamic
+    fast decoder, with rows stopping at different steps."""
+    path, tok = chaotic
+    engine = TorchEngine(str(path), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    plain = greedy(engine, ())
+    stop = tuple(sorted({plain[0][3], plain[3][4], plain[5][1]}))
+    assert graphed_greedy(engine, (), monkeypatch) == plain
+    assert graphed_greedy(engine, stop, monkeypatch) == greedy(engine, stop)
+
+
 def test_bf16_engine_runs_in_bf16_on_cpu(tiny):
     """dtype bf16: bf16 weights and KV cache; its log-probs stay near an fp32 recomputation."""
     path, tok = tiny
@@ -322,3 +351,39 @@ def test_gpu_engine_compaction_and_fast_decoder_match_hf_greedy(chaotic):
     fast = greedy(engine, stop)
     engine.fast = None
     assert greedy(engine, stop) == fast
+
+
+@pytest.mark.gpu
+@no_cuda
+def test_gpu_cuda_graph_engine_matches_eager_and_follows_the_hand_off(chaotic, tmp_path):
+    """On CUDA the decode step is a captured graph: the same greedy tokens as the eager fast
+    decoder, one graph reused across calls, and after an in-place weight hand-off the graph
+    decodes with the new weights (its log-probs move with them)."""
+    from infra.config import TrainerConfig
+    from trainers.torch_trainer import TorchTrainer
+
+    path, tok = chaotic
+    kw = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, device="cuda",
+              dtype="fp32")
+    graphed = TorchEngine(str(path), cuda_graph=True, **kw)
+    eager = TorchEngine(str(path), **kw)
+    plain = greedy(eager, ())
+    stop = tuple(sorted({plain[0][3], plain[3][4], plain[5][1]}))
+    assert greedy(graphed, ()) == plain
+    assert greedy(graphed, stop) == greedy(eager, stop)
+    assert len(graphed._graphs) == 1 and graphed._graphs[next(iter(graphed._graphs))].graph
+
+    def logprobs(engine):  # every row runs 12 tokens: no early stop
+        engine.eos_token_id = -1
+        sp = SamplingParams(max_new_tokens=12, temperature=0.0)
+        return torch.tensor([r.logprobs for r in engine.generate(PROMPTS, sp)])
+    before = logprobs(graphed)
+    tr = TorchTrainer(str(path), TrainerConfig(lr=5e-2), 2, pad_token_id=tok.pad_token_id,
+                      device="cuda", dtype="fp32")
+    tr.train(make_batch([1.0, 0.0, 1.0, 0.0], seed=1))
+    graphed.load_state_dict(tr.state_dict(), 1)
+    eager.load_state_dict(tr.state_dict(), 1)
+    after = logprobs(graphed)
+    assert (after - before).abs().max() > 1e-3
+    torch.testing.assert_close(after, logprobs(eager), atol=1e-4, rtol=0)
+    assert len(graphed._graphs) == 1
