@@ -21,16 +21,22 @@ def train(rt: Runtime, training_slice: pa.Table) -> dict[str, float]:
 
 @task(name="publish_weights", cache_policy=NO_CACHE)
 def publish_weights(rt: Runtime, weight_version: int, save: bool = True, wait: bool = True) -> str | None:
-    """Hand weights ``v`` to the engine: in memory where it takes tensors, else from checkpoint
-    ``v`` on disk. The checkpoint is written when ``save`` or when the engine needs it (always
-    then); with ``wait`` False, and a trainer that can, in the background (trainers/checkpoint.py)
-    while the run goes on. Returns the checkpoint folder, or None when none is written."""
+    """Hand weights ``v`` to the engine: in memory where it takes tensors (an in-process engine
+    copies them; SGLang with ``weight_sync: distributed`` receives them over its weight-update
+    group), else from checkpoint ``v`` on disk. The checkpoint is written when ``save`` or when
+    the engine needs it (always then); with ``wait`` False, and a trainer that can, in the
+    background (trainers/checkpoint.py) while the run goes on. Returns the checkpoint folder, or
+    None when none is written."""
     weights = in_process_weights(rt)
     path = rt.checkpoint_dir(weight_version)
     if save or weights is None:
         save_checkpoint(rt, path, background=not wait and weights is not None)
     fault_point("during_weight_handoff")
-    if weights is not None:
+    if weights is not None and receives_broadcast(rt.engine):
+        # a server restarted later loads the newest saved checkpoint, then the next sync
+        rt.engine.update_weights_from_tensors(weights.items(), weight_version,
+                                              str(path) if save else None)
+    elif weights is not None:
         rt.engine.load_state_dict(weights, weight_version)
     else:
         rt.engine.update_weights(str(path), weight_version)
@@ -54,14 +60,22 @@ def wait_for_checkpoints(rt: Runtime) -> None:
 
 
 def in_process_weights(rt: Runtime) -> dict | None:
-    """HF-named weights to hand to an in-process engine without a disk round trip, or None
-    (an out-of-process engine, or a trainer whose weights live in other processes)."""
-    if not hasattr(rt.engine, "load_state_dict"):
+    """HF-named weights to hand to the engine without a disk round trip, or None (an engine that
+    reads checkpoints, or a trainer whose weights live in other processes)."""
+    if not (hasattr(rt.engine, "load_state_dict") or receives_broadcast(rt.engine)):
         return None
     for name in ("hf_state_dict", "state_dict"):
         if hasattr(rt.trainer, name):
             return getattr(rt.trainer, name)()
     return None
+
+
+def receives_broadcast(engine) -> bool:
+    """An out-of-process engine fed tensors over a process group (SGLang's
+    ``update_weights_from_distributed``: ``rollout.sglang.weight_sync: distributed``)."""
+    config = getattr(engine, "config", None)
+    return (getattr(config, "weight_sync", None) == "distributed"
+            and hasattr(engine, "update_weights_from_tensors"))
 
 
 @task(name="log_metrics", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)

@@ -1,11 +1,13 @@
 """The quickstart with ``--set rollout.engine=sglang`` learns (issue 8): rollouts come from a real
-SGLang server (CPU path, ``.venv-sglang``), weights are synced from each published checkpoint."""
+SGLang server (CPU path, ``.venv-sglang``); each version reaches it in memory over its
+weight-update group (``weight_sync: distributed``, gloo), checkpoints only every save_interval."""
 
 from __future__ import annotations
 
 import pytest
 
 from buffer import Lake
+from infra.checkpoints import saved_versions
 from tests.learning import assert_learned
 
 pytestmark = pytest.mark.sglang
@@ -16,6 +18,7 @@ def test_sglang_engine_learns_the_quickstart_task(tmp_path, cli, warm_model):
     cli(["run", "configs/quickstart.yaml", "--run-id", "sglang", "--set", f"home={tmp_path}",
          "--set", f"model.path={warm_model['checkpoint']}", "--set", "sft.enabled=false",
          "--set", "rollout.engine=sglang", "--set", "rollout.sglang.num_servers=1",
+         "--set", "rollout.sglang.weight_sync=distributed", "--set", "save_interval=20",
          "--set", f"num_rollout={ITERATIONS}", "--set", f"eval.eval_interval={ITERATIONS}",
          ], env={"PREFECT_HOME": str(tmp_path / "prefect")})
     lake = Lake(str(tmp_path / "lake"))
@@ -29,3 +32,6 @@ def test_sglang_engine_learns_the_quickstart_task(tmp_path, cli, warm_model):
     assert {r["engine"] for r in train} == {"sglang"}
     # samples of iteration i come from weight version i: the server followed every sync
     assert all(r["weight_version"] == r["iteration"] for r in train)
+    # ... without a checkpoint per version: v0, every 20th and the last only
+    saved = saved_versions(tmp_path / "runs" / "sglang" / "checkpoints")
+    assert saved[-1] == ITERATIONS and all(v % 20 == 0 for v in saved), saved
