@@ -83,6 +83,16 @@ def scope_filter(scopes: list[tuple[str, int]], part: str, num: str) -> tuple[li
     return prune, exact
 
 
+def without_uids(data: pa.Table, sample_uids: pa.Array) -> pa.Table:
+    """``data`` less the rows whose ``sample_uid`` is in ``sample_uids``.
+
+    Applied after the scan, not pushed into it: Arrow's row-group pruning of ``isin`` fails on
+    files that deltalake's UPDATE/MERGE rewrote with ``string_view`` columns ("no kernel
+    matching (string, string_view)").
+    """
+    return data.filter(pc.invert(pc.is_in(data.column("sample_uid"), value_set=sample_uids)))
+
+
 class Lake:
     """The trajectory lake rooted at ``lake_uri`` (a folder or an object-store URI)."""
 
@@ -285,12 +295,12 @@ class Lake:
             if max_version is not None:
                 pred.append(("weight_version", "<=", int(max_version)))
                 flt &= pc.field("weight_version") <= int(max_version)
-            if unconsumed_only:
-                consumed = self._consumed(run_id, min_version)
-                if len(consumed):
-                    flt &= ~pc.field("sample_uid").isin(consumed)
+            consumed = self._consumed(run_id, min_version) if unconsumed_only else None
             data = delta.to_dataset(dt, pred).to_table(filter=flt)
-        data = conform(data, "trajectories").sort_by(SLICE_ORDER)
+        data = conform(data, "trajectories")
+        if consumed is not None and len(consumed):
+            data = without_uids(data, consumed)
+        data = data.sort_by(SLICE_ORDER)
         if limit is not None:
             data = data.slice(0, max(0, int(limit)))
         meta = {**(data.schema.metadata or {}), LAKE_VERSION_KEY: str(version).encode()}
@@ -344,8 +354,8 @@ class Lake:
             if max_version is not None:
                 pred.append(("weight_version", "<=", int(max_version)))
                 flt &= pc.field("weight_version") <= int(max_version)
-            flt &= pc.field("sample_uid").isin(pa.array(sample_uids, pa.string()))
             data = conform(delta.to_dataset(dt, pred).to_table(filter=flt), "trajectories")
+        data = data.filter(pc.is_in(data.column("sample_uid"), value_set=pa.array(sample_uids, pa.string())))
         order = {uid: i for i, uid in enumerate(sample_uids)}
         rank = pa.array([order[u] for u in data.column("sample_uid").to_pylist()], pa.int64())
         return data.take(pc.sort_indices(rank))

@@ -81,3 +81,26 @@ def test_slice_reads_only_matching_files(tmp_path):
     assert len(list(delta.to_dataset(dt, [("kind", "=", "eval")]).get_fragments())) == 0
     assert lake.training_slice("r", 17).num_rows == 24
     assert lake.training_slice("other-run", 0).num_rows == 0
+
+
+def test_slice_after_an_outside_update_and_merge(tmp_path):
+    """A table that deltalake's own UPDATE and MERGE rewrote (their files hold ``string_view``
+    columns) still gives the right slices and recorded samples once some are consumed."""
+    from deltalake import DeltaTable
+
+    from buffer.schema import columns
+
+    lake = Lake(str(tmp_path))
+    lake.append_trajectories(synthetic_rows("r", 0, 8, weight_version=0))
+    uri = lake.table_uri("trajectories")
+    DeltaTable(uri).update(predicate="sample_index = 0", updates={"reward": "0.5"})
+    source = lake.read("trajectories").slice(0, 2)
+    DeltaTable(uri).merge(source, predicate="t.sample_uid = s.sample_uid", source_alias="s",
+                          target_alias="t").when_matched_update_all().execute()
+    uids = sorted(lake.read("trajectories").column("sample_uid").to_pylist())
+    step = {c.name: None for c in columns("train_steps")}
+    step.update(run_id="r", step=0, weight_version=1, sample_uids=uids[:3])
+    lake.append_train_step(step)
+    fresh = Lake(str(tmp_path))
+    assert sorted(fresh.training_slice("r", 0).column("sample_uid").to_pylist()) == uids[3:]
+    assert fresh.read_samples("r", uids[:3][::-1]).column("sample_uid").to_pylist() == uids[:3][::-1]
