@@ -28,8 +28,10 @@ setup-sglang: $(SGLANG_STAMP)
 quickstart: $(STAMP)
 	$(BIN)/rlake run configs/quickstart.yaml
 
+# two workers: most of the suite waits on subprocesses (Prefect, MLflow, Ray, SGLang servers)
+TEST_WORKERS ?= 2
 test: $(STAMP) $(SGLANG_STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -31,6 +31,32 @@ def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: float =
     return proc
 
 
+# Test files that start Ray share one xdist worker: two local Ray clusters at once on 2 cores
+# only slow each other down, and each would see the other's processes.
+RAY_FILES = frozenset({"test_ray.py", "test_megatron_ray.py"})
+# The slowest files first (from `--durations`), so both workers are busy until near the end
+# instead of one running a 5-minute file alone after the other has finished.
+SLOW_FIRST = ("test_async.py", "test_resume_faults.py", "test_sglang_quickstart.py",
+              "test_ray.py", "test_quickstart.py", "test_checkpoints.py")
+
+
+def _file_name(item: pytest.Item) -> str:
+    return item.path.name
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Slow files first; under ``--dist loadgroup`` one work unit per file (module fixtures such
+    as a shared Prefect server start once), and the Ray files together."""
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(_file_name(item), len(rank)))  # stable: files stay whole
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    for item in items:
+        name = _file_name(item)
+        item.add_marker(pytest.mark.xdist_group("ray" if name in RAY_FILES else name))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """Tests marked ``sglang`` need the SGLang environment: without it they fail (they are core
@@ -55,13 +81,22 @@ def cli():
 @pytest.fixture(scope="session")
 def warm_model(tmp_path_factory):
     """The quickstart's SFT warm-up alone (``num_rollout=0``), run once per test session through
-    the CLI: its weight version 0 is the starting point of the learning tests."""
-    home = tmp_path_factory.mktemp("warmup-home")
-    proc = run_cli(["run", "configs/quickstart.yaml", "--run-id", "warmup", "--set", f"home={home}",
-                    "--set", "num_rollout=0"], env={"PREFECT_HOME": str(home / "prefect")})
+    the CLI: its weight version 0 is the starting point of the learning tests. Under xdist the
+    first worker to ask runs it and the others wait on a file lock, then reuse it."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's folder above every worker's own
+    home = shared / "warmup-home"
     checkpoint = home / "runs" / "warmup" / "checkpoints" / "v000000"
-    assert (checkpoint / "config.json").exists(), proc.stdout[-2000:]
-    return {"home": home, "run_id": "warmup", "checkpoint": checkpoint, "proc": proc}
+    with FileLock(str(shared / "warmup.lock")):
+        if not (checkpoint / "config.json").exists():
+            proc = run_cli(["run", "configs/quickstart.yaml", "--run-id", "warmup",
+                            "--set", f"home={home}", "--set", "num_rollout=0"],
+                           env={"PREFECT_HOME": str(home / "prefect")})
+            assert (checkpoint / "config.json").exists(), proc.stdout[-2000:]
+    return {"home": home, "run_id": "warmup", "checkpoint": checkpoint}
 
 
 @pytest.fixture(scope="module")
