@@ -23,7 +23,15 @@ import torch
 import torch.multiprocessing as mp
 
 from trainers.megatron.losses import cfg_get
-from trainers.megatron.ranks import Answer, MegatronRanks, RankDied, RankFailed, rank_environment, start_rank
+from trainers.megatron.ranks import (
+    SETTLE_S,
+    Answer,
+    MegatronRanks,
+    RankDied,
+    RankFailed,
+    rank_environment,
+    start_rank,
+)
 
 PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
 
@@ -80,19 +88,23 @@ class ProcessRanks:
         return self._gather(timeout_s)
 
     def _gather(self, timeout_s: float | None) -> list[Answer]:
-        """Every rank's answer; an error answer stops the wait at once (the other ranks may be
-        stuck in a collective with it), so does a rank whose process is gone."""
+        """Every rank's answer. After the first error answer the others get ``SETTLE_S`` more
+        (the rest may be stuck in a collective with a broken rank), and a rank whose process is
+        gone raises ``RankDied``: the dead rank is the cause, its peers' errors the effect."""
         answers: dict[int, Answer] = {}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while len(answers) < self.world:
+        settle = None
+        while len(answers) < self.world and (settle is None or time.monotonic() < settle):
             try:
-                rank, answer = self._outbox.get(timeout=1.0)
+                rank, answer = self._outbox.get(timeout=1.0 if settle is None else 0.2)
             except queue.Empty:
-                self._check_silent(set(answers), deadline, timeout_s)
+                self._check_silent(set(answers), deadline if settle is None else None, timeout_s)
                 continue
             answers[rank] = answer
-            if answer[0] == "err":
-                break
+            if answer[0] == "err" and settle is None:
+                settle = time.monotonic() + SETTLE_S
+        if settle is not None:
+            self._check_silent(set(answers), None, timeout_s)
         return [answers.get(r, ("ok", None)) for r in range(self.world)]
 
     def _check_silent(self, answered: set[int], deadline: float | None,

@@ -33,6 +33,9 @@ from trainers.base import TrainBatch
 
 RANK_FAULT_ENV = "RLAKE_MEGATRON_RANK_FAULT"  # "r:n": rank r's process exits in its n-th train
 RESUME_HINT = "resume the run from its last checkpoint (rlake resume)"
+# after a rank's error answer, how long its peers get to answer or be found dead (a rank that
+# died makes its peers' collectives fail: the death, not their errors, is what to report)
+SETTLE_S = 10.0
 # what every rank answers: ("ok", rank 0's result or None) | ("err", traceback text)
 Answer = tuple[str, Any]
 

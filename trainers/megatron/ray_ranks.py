@@ -31,6 +31,7 @@ from infra.modeling import resolve_dtype
 from trainers.megatron.launch import world_size_for
 from trainers.megatron.ranks import (
     RANK_FAULT_ENV,
+    SETTLE_S,
     Answer,
     MegatronRanks,
     RankDied,
@@ -136,17 +137,21 @@ class RayRanks:
         return self._wait([a.call.remote(name, ref) for a in self.actors], timeout_s)
 
     def _wait(self, refs: list[Any], timeout_s: float | None) -> list[Any]:
-        """Each rank's answer in rank order; the first error answer ends the wait (the others
-        may be stuck in a collective with that rank), so does a dead actor."""
+        """Each rank's answer in rank order. After the first error answer the others get
+        ``SETTLE_S`` more, and a dead actor raises ``RankDied`` (see ``ProcessRanks._gather``)."""
         import ray
 
         index = {ref: r for r, ref in enumerate(refs)}
         answers: dict[int, Any] = {}
         pending = list(refs)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        settle = None
         while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ends = [t for t in (deadline, settle) if t is not None]
+            left = None if not ends else max(0.0, min(ends) - time.monotonic())
             ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready and settle is not None:
+                break
             if not ready:
                 silent = sorted(index[p] for p in pending)
                 raise RankFailed(None, f"ranks {silent} gave no answer within {timeout_s}s",
@@ -156,8 +161,8 @@ class RayRanks:
                 answers[rank] = ray.get(ready[0])
             except ray.exceptions.RayActorError as err:
                 raise RankDied(rank, f"its Ray actor died ({type(err).__name__}): {err}") from None
-            if isinstance(answers[rank], tuple) and answers[rank][:1] == ("err",):
-                break
+            if isinstance(answers[rank], tuple) and answers[rank][:1] == ("err",) and settle is None:
+                settle = time.monotonic() + SETTLE_S
         return [answers.get(r, ("ok", None)) for r in range(len(refs))]
 
     def stop(self, graceful: bool) -> None:
