@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
+from infra.faults import parse_member_fault
 from trainers.base import TrainBatch
 
 RANK_FAULT_ENV = "RLAKE_MEGATRON_RANK_FAULT"  # "r:n": rank r's process exits in its n-th train
@@ -58,12 +59,7 @@ class RankDied(RankFailed):
 
 def parse_rank_fault(spec: str | None, rank: int) -> int | None:
     """``"r:n"`` -> n when r == ``rank`` (this rank exits in its n-th train call), else None."""
-    if not spec:
-        return None
-    r, _, n = spec.partition(":")
-    if not (r.strip().isdigit() and n.strip().isdigit()):
-        raise ValueError(f"{RANK_FAULT_ENV}: '{spec}' must look like rank:call (e.g. 1:2)")
-    return int(n) if int(r) == rank else None
+    return parse_member_fault(spec, rank, RANK_FAULT_ENV, "rank")
 
 
 def rank_environment(rank: int, world: int, local_rank: int, master_addr: str,
