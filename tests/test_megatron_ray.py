@@ -95,11 +95,23 @@ def _rank_processes() -> list[int]:
     return out
 
 
-def test_rank_fault_spec():
+def test_fault_spec_and_when_ranks_are_actors():
+    from infra.cluster import megatron_ray_ranks, required_cpus
+    from infra.config import load_config
+    from trainers.megatron.ray_ranks import rank_gpus
+
     assert parse_rank_fault("1:2", 1) == 2 and parse_rank_fault("1:2", 0) is None
     assert parse_rank_fault(None, 0) is None
     with pytest.raises(ValueError, match=RANK_FAULT_ENV):
         parse_rank_fault("two", 0)
+    mega = ["trainer.backend=megatron", "trainer.tensor_model_parallel_size=2"]
+    assert megatron_ray_ranks(load_config(None, mega)) == 0  # no Ray: spawned processes
+    assert megatron_ray_ranks(load_config(None, mega[:1] + ["cluster.ray_address=local"])) == 0
+    cfg = load_config(None, mega + ["cluster.ray_address=local", "cluster.trainer_num_cpus=1.5"])
+    assert megatron_ray_ranks(cfg) == 2
+    assert required_cpus(cfg) == 1 + 3  # one engine + 2 ranks x 1.5 (no trainer actor besides)
+    assert (rank_gpus("cuda", 0, 2), rank_gpus("cpu", 8, 2)) == (1.0, 0.0)
+    assert (rank_gpus("auto", 2, 2), rank_gpus("auto", 1, 2)) == (1.0, 0.0)
 
 
 def test_ray_ranks_train_as_process_ranks_and_a_raising_rank_stops_all(ckpt, cluster):
@@ -165,7 +177,8 @@ def test_a_dead_rank_fails_the_iteration_and_resume_continues(tmp_path, cli, clu
     proc = cli(["run", "configs/quickstart.yaml", "--run-id", "deadrank", *base],
                env={**env, RANK_FAULT_ENV: "1:2"}, check=False)
     assert proc.returncode != 0
-    assert "megatron rank 1 died" in proc.stdout + proc.stderr
+    assert "megatron rank 1 died; all ranks stopped" in proc.stdout + proc.stderr
+    assert "its Ray actor died" in proc.stdout + proc.stderr  # ranks as actors, not processes
     assert _gone(_rank_processes())  # no rank outlives the failed run
     lake = Lake(str(home / "lake"))
     steps = lake.read("train_steps", run_id="deadrank").to_pylist()
@@ -182,3 +195,15 @@ def test_a_dead_rank_fails_the_iteration_and_resume_continues(tmp_path, cli, clu
     for r in train:
         groups[(r["iteration"], r["group_index"])] = groups.get((r["iteration"], r["group_index"]), 0) + 1
     assert set(groups.values()) == {8}  # every group whole
+
+
+def test_a_call_past_its_timeout_stops_every_rank(ckpt, cluster):
+    """A rank that does not answer in time (here: any call, given 1 ms) fails the call; the
+    ranks, maybe stuck in a collective, are killed rather than waited for."""
+    trainer = _ray_ranks(ckpt, cluster)
+    pids = trainer.launcher.pids
+    trainer.call_timeout_s = 0.001
+    with pytest.raises(RankFailed, match=r"a megatron rank timed out(.|\n)*no answer within 0.001s"):
+        trainer.train(make_batch())
+    assert trainer.weight_version == 0
+    assert _gone(pids)
