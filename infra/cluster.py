@@ -118,11 +118,21 @@ class RayConnection:
 _CONNECTION: dict[str, RayConnection] = {}
 
 
+def megatron_ray_ranks(cfg: RunConfig) -> int:
+    """The Megatron world (TP x PP) when its ranks run as Ray actors, else 0: Ray on, backend
+    megatron, world > 1 (a world of one stays one trainer, in process or in its actor)."""
+    t = cfg.trainer
+    world = t.tensor_model_parallel_size * t.pipeline_model_parallel_size
+    on = cfg.cluster.ray_address is not None and t.backend == "megatron" and world > 1
+    return world if on else 0
+
+
 def required_cpus(cfg: RunConfig) -> int:
     """Logical CPUs a local Ray must offer: ceil(num_engines x num_cpus_per_engine + the
-    trainer actor's)."""
+    trainer's): the trainer actor's, or world x trainer_num_cpus for Megatron ranks as actors."""
     r, c = cfg.rollout, cfg.cluster
-    trainer = c.trainer_num_cpus if c.trainer_on_ray else 0
+    ranks = megatron_ray_ranks(cfg)
+    trainer = ranks * c.trainer_num_cpus if ranks else c.trainer_num_cpus if c.trainer_on_ray else 0
     return int(-(-(r.num_engines * r.num_cpus_per_engine + trainer) // 1))
 
 

@@ -244,8 +244,13 @@ class ClusterConfig(_Section):
     ray_address: str | None = None
     num_cpus: int | None = Field(None, ge=1, description="local Ray: logical CPUs (default: enough)")
     trainer_on_ray: bool = Field(True, description="with Ray: the trainer runs as a Ray actor")
-    trainer_num_cpus: float = Field(1.0, ge=0)
-    trainer_num_gpus: float = Field(0.0, ge=0)
+    trainer_num_cpus: float = Field(1.0, ge=0, description="the trainer actor's CPUs; each Megatron "
+                                    "rank's when the ranks are Ray actors (world > 1)")
+    trainer_num_gpus: float = Field(0.0, ge=0, description="the trainer actor's GPUs (Megatron "
+                                    "ranks as actors: 1 each on cuda, see docs/cluster.md)")
+    trainer_call_timeout_s: float = Field(
+        1800.0, gt=0, description="Megatron ranks as Ray actors: one collective call (train, "
+                                  "save, ...); past it every rank is stopped and the call fails")
     engine_resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources each engine needs (places engines)")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"

@@ -69,6 +69,18 @@ def parse_faults(spec: str | None) -> dict[str, int | None]:
     return out
 
 
+def parse_member_fault(spec: str | None, index: int, env: str, member: str) -> int | None:
+    """``"k:n"`` -> n when k == ``index`` (member k of a group, e.g. an engine or a Megatron
+    rank, exits in its n-th call), else None. ``env`` and ``member`` name the variable and what
+    k counts in the error for a malformed spec."""
+    if not spec:
+        return None
+    k, _, n = spec.partition(":")
+    if not (k.strip().isdigit() and n.strip().isdigit()):
+        raise ValueError(f"{env}: '{spec}' must look like {member}:call (e.g. 1:2)")
+    return int(n) if int(k) == index else None
+
+
 def set_iteration(iteration: int) -> None:
     """The iteration the next ``fault_point`` calls belong to."""
     _STATE["iteration"] = iteration

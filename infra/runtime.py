@@ -15,7 +15,7 @@ import torch
 
 from buffer import Lake
 from infra.checkpoints import prunable, resume_checkpoint, saved_versions
-from infra.cluster import required_cpus
+from infra.cluster import megatron_ray_ranks, required_cpus
 from infra.config import RunConfig, config_from_dict
 from infra.modeling import build_tiny_model, load_tokenizer, placement
 from infra.sides import RolloutSide
@@ -167,14 +167,18 @@ def _make_engine(cfg: RunConfig, model_dir: Path, tokenizer, version: int) -> Ro
 
 def _make_trainer(cfg: RunConfig, model_dir: Path, tokenizer, version: int,
                   reference_dir: Path | None = None):
+    if megatron_ray_ranks(cfg):  # ranks as Ray actors, driven from this process
+        from trainers.megatron.ray_ranks import ray_megatron_trainer
+
+        return ray_megatron_trainer(cfg.trainer, str(model_dir), cfg.cluster, device=cfg.device,
+                                    dtype=cfg.dtype, ray_cpus=required_cpus(cfg),
+                                    **_megatron_kwargs(cfg, tokenizer, version))
     device, dtype = placement(cfg.device, cfg.dtype)
     if cfg.trainer.backend == "megatron":
         from trainers.megatron.launch import make_megatron_trainer
 
-        build = partial(make_megatron_trainer, cfg.trainer, str(model_dir),
-                        n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
-                        rollout_temperature=cfg.rollout.rollout_temperature,
-                        weight_version=version, pad_token_id=tokenizer.pad_token_id, dtype=dtype)
+        build = partial(make_megatron_trainer, cfg.trainer, str(model_dir), dtype=dtype,
+                        **_megatron_kwargs(cfg, tokenizer, version))
     else:
         build = partial(TorchTrainer, str(model_dir), cfg.trainer, cfg.rollout.n_samples_per_prompt,
                         cfg.rollout.rollout_temperature, weight_version=version,
@@ -186,6 +190,12 @@ def _make_trainer(cfg: RunConfig, model_dir: Path, tokenizer, version: int,
     from trainers.ray_trainer import RayTrainer
 
     return RayTrainer(build, cfg.cluster, ray_cpus=required_cpus(cfg))
+
+
+def _megatron_kwargs(cfg: RunConfig, tokenizer, version: int) -> dict:
+    return dict(n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+                rollout_temperature=cfg.rollout.rollout_temperature, weight_version=version,
+                pad_token_id=tokenizer.pad_token_id)
 
 
 def _task_data(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, list[dict]]:

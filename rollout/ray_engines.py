@@ -33,6 +33,7 @@ import torch
 
 from infra.cluster import actor_options, bundle, connect, placement_group
 from infra.config import ClusterConfig, RunConfig
+from infra.faults import parse_member_fault
 from rollout.engine import GenerationResult, RolloutEngine, SamplingParams
 
 ENGINE_FAULT_ENV = "RLAKE_ENGINE_FAULT"  # "k:n": engine k's first process exits in its n-th generate
@@ -58,12 +59,7 @@ def engine_seed(base: int, engine: int, attempt: int) -> int:
 
 def parse_engine_fault(spec: str | None, index: int) -> int | None:
     """``"k:n"`` -> n when k == index (this engine dies in its n-th generate call), else None."""
-    if not spec:
-        return None
-    k, _, n = spec.partition(":")
-    if not (k.strip().isdigit() and n.strip().isdigit()):
-        raise ValueError(f"{ENGINE_FAULT_ENV}: '{spec}' must look like engine:call (e.g. 1:2)")
-    return int(n) if int(k) == index else None
+    return parse_member_fault(spec, index, ENGINE_FAULT_ENV, "engine")
 
 
 class EngineWorker:

@@ -20,6 +20,7 @@ from tests.megatron_helpers import (
 )
 from trainers.megatron import gpu
 from trainers.megatron.launch import SpawnedMegatronTrainer, make_megatron_trainer
+from trainers.megatron.ranks import RankFailed
 from trainers.megatron.trainer import MegatronTrainer
 
 pytestmark = pytest.mark.megatron
@@ -186,7 +187,7 @@ def test_kl_loss_against_frozen_reference(ckpt, batch):
 
 def test_rank_failure_is_reported(tmp_path):
     """A rank that cannot start (no checkpoint) surfaces as an error naming the cause."""
-    with pytest.raises(RuntimeError, match="megatron rank failed"):
+    with pytest.raises(RankFailed, match=r"megatron rank [01] failed; all ranks stopped"):
         SpawnedMegatronTrainer(trainer_config(tensor_model_parallel_size=2), str(tmp_path))
 
 

@@ -1,7 +1,7 @@
 """The trainer as a Ray actor, behind the ``Trainer`` interface (``RayTrainer``).
 
-The actor builds the real trainer (torch, or Megatron-core with its own rank processes) from a
-picklable ``build`` callable and runs every call in its process, 1 torch thread. The proxy
+The actor builds the real trainer (torch, or Megatron-core with a world of one: larger worlds run
+each rank as its own actor, trainers/megatron/ray_ranks.py) from a picklable ``build`` callable and runs every call in its process, 1 torch thread. The proxy
 forwards ``train``, ``train_sft``, ``save``, ``load`` and whatever else the trainer offers
 (``set_lr``, ``state_dict``, ``uses_reference``, ...: the names are read from the actor once), and
 mirrors ``weight_version`` after each call.
