@@ -142,6 +142,16 @@ def serve_forever(home: str | Path, api_url: str, maintenance_interval: float | 
         asyncio.run(_serve(home, maintenance_interval, limit, rescan_s))
     except KeyboardInterrupt:
         pass
+    except BaseExceptionGroup as group:
+        # Prefect's Runner swaps in its own SIGTERM handler (sys.exit(0)) while it starts; a
+        # SIGTERM then surfaces as SystemExit(0) wrapped by the task group: still a clean stop
+        if group.split(is_clean_stop)[1] is not None:
+            raise
+
+
+def is_clean_stop(err: BaseException) -> bool:
+    """A stop asked for by a signal: KeyboardInterrupt, or SystemExit with code 0."""
+    return isinstance(err, KeyboardInterrupt) or (isinstance(err, SystemExit) and not err.code)
 
 
 async def _serve(home: str | Path, maintenance_interval: float | None, limit: int,

@@ -146,6 +146,32 @@ def test_serve_on_sigterm_exits_cleanly(tmp_path, when):
     assert servers == [], f"server processes left: {servers}"
 
 
+@pytest.mark.parametrize("exits, clean", [([SystemExit(0)], True), ([KeyboardInterrupt()], True),
+                                          ([SystemExit(0), ValueError("x")], False),
+                                          ([SystemExit(2)], False)])
+def test_serve_stopped_inside_prefects_runner(tmp_path, monkeypatch, exits, clean):
+    """A SIGTERM while Prefect's Runner starts reaches ``serve`` as SystemExit(0) wrapped in a
+    task group's exception group (the Runner's own handler): a clean stop. Anything else in the
+    group is still an error."""
+    from flows import deployments
+
+    async def stopped(*_args) -> None:
+        raise BaseExceptionGroup("unhandled errors in a TaskGroup", exits)
+
+    monkeypatch.setattr(deployments, "_serve", stopped)
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9")  # serve_forever sets both
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        if clean:
+            deployments.serve_forever(tmp_path, "http://127.0.0.1:9", maintenance_interval=60)
+        else:
+            with pytest.raises(BaseExceptionGroup):
+                deployments.serve_forever(tmp_path, "http://127.0.0.1:9", maintenance_interval=60)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _server_pids(home: Path) -> list[int]:
     """`prefect server start` processes (and their uvicorn) of ``home``."""
     from tests.opshelp import pids_with_env
