@@ -8,7 +8,7 @@ against Prefect's real embedded server and records every HTTP request the proces
 ``iteration`` events of the run loop it counts
 
     total     every request sent meanwhile, on any thread (server load)
-    critical  those the iteration waits for: all but those sent from rlake's own background
+    critical  those the iteration waits for (tag concurrency leases apart: ``lease``): all but those sent from rlake's own background
               threads (named ``rlake-*``: the flow-run prefetcher, flows/prefetch.py); Prefect's
               event-loop thread counts, the iteration blocks on it (``run_coro_as_sync``)
 
@@ -75,6 +75,12 @@ class RequestLog:
             httpx.Client.send, httpx.AsyncClient.send = sync_send, async_send
 
 
+def lease(line: str) -> bool:
+    """A tag concurrency-slot request of a task run: Prefect sends one per tag set every 5 s at
+    most (it caches "no limit" for 5 s), so it lands in some iterations only; counted apart."""
+    return "/concurrency_limits/" in line
+
+
 def off_path(thread: str) -> bool:
     """A request the iteration does not wait for: sent from one of rlake's background threads."""
     return thread.startswith("rlake-")
@@ -87,14 +93,16 @@ def per_iteration(log: RequestLog, marks: list[int]) -> list[dict]:
     for start, end in zip(marks, marks[1:], strict=False):
         span = log.requests[start:end]
         on_path = [line for t, line in span if not off_path(t)]
-        out.append({"total": len(span), "critical": len(on_path), "lines": Counter(on_path)})
+        out.append({"total": len(span), "critical": sum(not lease(x) for x in on_path),
+                    "leases": sum(lease(x) for x in on_path), "lines": Counter(on_path)})
     return out
 
 
-def iteration_requests(home: str, iterations: int = 6) -> list[dict]:
+def iteration_requests(home: str, iterations: int = 6) -> tuple[list[dict], dict[str, int]]:
     """Run a small quickstart (``iterations`` RL iterations) in this process and count each
-    iteration's requests (``per_iteration``); the first iteration's span (from the run's
-    first event on) is left out: it pays one-off set-up."""
+    iteration's requests (``per_iteration``; the first iteration's span, from the run's first
+    event on, is left out: it pays one-off set-up); with the states of its ``rl_iteration`` flow
+    runs (``flow_run_states``)."""
     from infra.config import load_config
     from infra.env import configure_environment
 
@@ -113,20 +121,31 @@ def iteration_requests(home: str, iterations: int = 6) -> list[dict]:
             rl_run(cfg.model_dump(), run_id="requests")
     finally:
         set_reporter(None)
-    return per_iteration(log, marks)
+    return per_iteration(log, marks), flow_run_states("rl_iteration")
+
+
+def flow_run_states(name: str) -> dict[str, int]:
+    """How many flow runs of the flow ``name`` are in each state type (e.g. {"COMPLETED": 6})."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[name])))
+    return dict(Counter(r.state_type.value for r in runs))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=6)
     args = parser.parse_args()
-    spans = iteration_requests(tempfile.mkdtemp(prefix="rlake-requests-"), args.iterations)
+    spans, states = iteration_requests(tempfile.mkdtemp(prefix="rlake-requests-"), args.iterations)
     for line, n in sorted(spans[-1]["lines"].items()):
         print(f"{n:3d}  {line}")
     out = {"bench": "flow_requests", "iterations": args.iterations,
            "median_total": statistics.median(s["total"] for s in spans),
            "median_critical": statistics.median(s["critical"] for s in spans),
-           "critical": [s["critical"] for s in spans], "total": [s["total"] for s in spans]}
+           "critical": [s["critical"] for s in spans], "leases": [s["leases"] for s in spans],
+           "total": [s["total"] for s in spans], "rl_iteration_runs": states}
     print(json.dumps(out))
 
 
