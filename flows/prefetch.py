@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from uuid import uuid4
 
-from prefect import Flow, Task
+from prefect import Flow, Task, tags
 from prefect.context import FlowRunContext, TagsContext
 from prefect.flow_engine import run_flow
 from prefect.states import Pending
@@ -55,8 +55,10 @@ class IterationRuns:
         self._client = None
         self._pending: dict[tuple, Future] = {}
         self._parent = None
+        self._tags: set[str] = set()
 
     def __enter__(self) -> IterationRuns:
+        self._tags = set(TagsContext.get().current_tags)  # every run's; each adds its own
         ctx = FlowRunContext.get()
         self._parent = ctx.flow_run if ctx is not None else None
         if self._parent is not None:  # outside a flow run there is nothing to attach runs to
@@ -71,7 +73,7 @@ class IterationRuns:
         ``extra_tags``) in the background."""
         if self._pool is None:
             return
-        tags = set(TagsContext.get().current_tags) | set(extra_tags or ())
+        tags = self._tags | set(extra_tags or ())
         key = _key(parameters, tags)
         if key not in self._pending:
             self._pending[key] = self._pool.submit(self._create, parameters, tags)
@@ -79,15 +81,17 @@ class IterationRuns:
     def run(self, parameters: dict[str, Any], next_parameters: dict[str, Any] | None = None,
             extra_tags: set[str] | None = None, next_tags: set[str] | None = None) -> Any:
         """Run the flow for ``parameters`` (on its pre-created run if there is one, else as a
-        plain subflow call), after asking for the next one's run to be created meanwhile."""
-        tags = set(TagsContext.get().current_tags) | set(extra_tags or ())
-        future = self._pending.pop(_key(parameters, tags), None)
+        plain subflow call) with ``extra_tags`` on it and its task runs, after asking for the
+        next one's run (``next_parameters``, ``next_tags``) to be created meanwhile."""
+        extra_tags = set(extra_tags or ())
+        future = self._pending.pop(_key(parameters, self._tags | extra_tags), None)
         if next_parameters is not None:
             self.prefetch(next_parameters, next_tags)
         flow_run = _created(future)
-        if flow_run is None:
-            return self.flow(**parameters)
-        return run_flow(self.flow, flow_run=flow_run, parameters=parameters)
+        with tags(*sorted(extra_tags)):
+            if flow_run is None:
+                return self.flow(**parameters)
+            return run_flow(self.flow, flow_run=flow_run, parameters=parameters)
 
     def close(self) -> None:
         """Delete the runs created and never taken; stop the thread."""
