@@ -86,6 +86,23 @@ def off_path(thread: str) -> bool:
     return thread.startswith("rlake-")
 
 
+def created_while_running(span: list[tuple[str, str]]) -> bool | None:
+    """Whether the background creation of the next run started only after this iteration's
+    Running state was written: its first ``set_state`` after the update (PATCH) that starts the
+    iteration's run. Background requests before that PATCH finish the creation of this very run
+    (the previous iteration was quicker than it) and do not count; None: none after it."""
+    start = next((i for i, (t, line) in enumerate(span)
+                  if not off_path(t) and line.startswith("PATCH /api/flow_runs/")), None)
+    if start is None:
+        return None
+    first_bg = next((i for i, (t, _) in enumerate(span) if i > start and off_path(t)), None)
+    running = next((i for i, (t, line) in enumerate(span)
+                    if i > start and not off_path(t) and line.endswith("/set_state")), None)
+    if first_bg is None:
+        return None
+    return running is not None and running < first_bg
+
+
 def per_iteration(log: RequestLog, marks: list[int]) -> list[dict]:
     """For each span between consecutive marks: {"total", "critical", "lines"} (``critical``:
     the requests not ``off_path``; ``lines``: those by "METHOD /path")."""
@@ -94,7 +111,8 @@ def per_iteration(log: RequestLog, marks: list[int]) -> list[dict]:
         span = log.requests[start:end]
         on_path = [line for t, line in span if not off_path(t)]
         out.append({"total": len(span), "critical": sum(not lease(x) for x in on_path),
-                    "leases": sum(lease(x) for x in on_path), "lines": Counter(on_path)})
+                    "leases": sum(lease(x) for x in on_path), "lines": Counter(on_path),
+                    "created_while_running": created_while_running(span)})
     return out
 
 
@@ -145,7 +163,8 @@ def main() -> None:
            "median_total": statistics.median(s["total"] for s in spans),
            "median_critical": statistics.median(s["critical"] for s in spans),
            "critical": [s["critical"] for s in spans], "leases": [s["leases"] for s in spans],
-           "total": [s["total"] for s in spans], "rl_iteration_runs": states}
+           "total": [s["total"] for s in spans], "rl_iteration_runs": states,
+           "created_while_running": [s["created_while_running"] for s in spans]}
     print(json.dumps(out))
 
 

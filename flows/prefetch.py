@@ -19,6 +19,7 @@ behind, nor marked Crashed.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from uuid import uuid4
@@ -29,6 +30,9 @@ from prefect.flow_engine import run_flow
 from prefect.states import Pending
 
 from infra.recovery import PREFETCHED
+
+# a run that is not Running after this long (a slow start): create the next one anyway
+START_WAIT_S = 10.0
 
 
 def _key(parameters: dict[str, Any], tags: set[str]) -> tuple:
@@ -50,7 +54,11 @@ class IterationRuns:
     """Hands out flow runs of ``flow`` created ahead of time (see the module docstring)."""
 
     def __init__(self, flow: Flow) -> None:
-        self.flow = flow
+        # the next run is created once this one is Running (``_running``), not while this one's
+        # own writes go out: two writers at once make SQLite answer busy and the client retry
+        # after seconds
+        self.flow = flow.with_options(on_running=[*flow.on_running_hooks, self._running])
+        self._started = threading.Event()
         self._pool: ThreadPoolExecutor | None = None
         self._client = None
         self._pending: dict[tuple, Future] = {}
@@ -76,7 +84,7 @@ class IterationRuns:
         tags = self._tags | set(extra_tags or ())
         key = _key(parameters, tags)
         if key not in self._pending:
-            self._pending[key] = self._pool.submit(self._create, parameters, tags)
+            self._pending[key] = self._pool.submit(self._create, parameters, tags, self._started)
 
     def run(self, parameters: dict[str, Any], next_parameters: dict[str, Any] | None = None,
             extra_tags: set[str] | None = None, next_tags: set[str] | None = None) -> Any:
@@ -85,13 +93,21 @@ class IterationRuns:
         next one's run (``next_parameters``, ``next_tags``) to be created meanwhile."""
         extra_tags = set(extra_tags or ())
         future = self._pending.pop(_key(parameters, self._tags | extra_tags), None)
+        self._started = threading.Event()
         if next_parameters is not None:
             self.prefetch(next_parameters, next_tags)
         flow_run = _created(future)
-        with tags(*sorted(extra_tags)):
-            if flow_run is None:
-                return self.flow(**parameters)
-            return run_flow(self.flow, flow_run=flow_run, parameters=parameters)
+        try:
+            with tags(*sorted(extra_tags)):
+                if flow_run is None:
+                    return self.flow(**parameters)
+                return run_flow(self.flow, flow_run=flow_run, parameters=parameters)
+        finally:
+            self._started.set()  # never Running (failed before): the next creation goes on
+
+    def _running(self, flow, flow_run, state) -> None:
+        """The flow's on-running hook: its Running state is written."""
+        self._started.set()
 
     def close(self) -> None:
         """Delete the runs created and never taken; stop the thread."""
@@ -117,9 +133,11 @@ class IterationRuns:
             self._client.__enter__()
         return self._client
 
-    def _create(self, parameters: dict[str, Any], tags: set[str]):
+    def _create(self, parameters: dict[str, Any], tags: set[str], after: threading.Event):
         """The records a subflow call creates (``prefect.flow_engine.FlowRunEngine.
-        create_flow_run``): the parent's tracking task run, then the flow run under it."""
+        create_flow_run``): the parent's tracking task run, then the flow run under it; once
+        ``after`` is set (the current run is Running)."""
+        after.wait(timeout=START_WAIT_S)
         client = self._client_()
         tracker = Task(name=self.flow.name, fn=self.flow.fn, version=self.flow.version)
         tracker._is_subflow_tracking_task = True
