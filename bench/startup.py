@@ -76,7 +76,9 @@ def main() -> None:
             startups.append(first_iteration_start(home, f"rl{i}") - launched)
     print(json.dumps({"repo": str(args.repo), "startup_s": [round(s, 2) for s in startups],
                       "median_startup_s": round(statistics.median(startups), 2),
-                      "note": "fresh home each repeat; includes the initial held-out evaluation"}))
+                      "note": "fresh home each repeat (its Prefect database copied from the "
+                              "template the SFT run left in the cache, infra/prefect_db.py); "
+                              "includes the initial held-out evaluation"}))
 
 
 if __name__ == "__main__":

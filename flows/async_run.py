@@ -30,9 +30,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 
-from prefect import flow, tags
+from prefect import flow
 
 from flows.guards import check_rewards
+from flows.prefetch import IterationRuns
 from flows.rollout_side import batch_tag, rollout_process_main
 from flows.steps import phase, train_and_commit
 from infra.faults import ENV as FAULT_ENV
@@ -202,8 +203,12 @@ def run_async(rt: Runtime, reporter: Callable[[str, dict], None], producer: Roll
         return train_iteration(rt, producer, iteration)
 
     producer.hand_off(rt.trainer.weight_version)
-    for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
-        with tags(batch_tag(iteration)):  # links the iteration to the batch it trains on
-            metrics = rl_iteration(rt.run_id, iteration)
-        reporter("iteration", {"iteration": iteration, **metrics})
-        check_rewards(rt, iteration, metrics)
+    last = rt.cfg.num_rollout - 1
+    with IterationRuns(rl_iteration) as runs:  # iteration i+1's run is created during i
+        for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
+            following = {"run_id": rt.run_id, "iteration": iteration + 1} if iteration < last else None
+            # the batch tag links the iteration to the batch it trains on
+            metrics = runs.run({"run_id": rt.run_id, "iteration": iteration}, following,
+                               extra_tags={batch_tag(iteration)}, next_tags={batch_tag(iteration + 1)})
+            reporter("iteration", {"iteration": iteration, **metrics})
+            check_rewards(rt, iteration, metrics)

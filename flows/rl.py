@@ -34,6 +34,7 @@ from flows.durability import (
 )
 from flows.durability import update_run_row as _update_run
 from flows.guards import check_rewards
+from flows.prefetch import IterationRuns
 from flows.steps import phase, train_and_commit
 from infra.config import RunConfig, config_from_dict
 from infra.faults import fault_point, set_iteration
@@ -138,10 +139,7 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
                 if rt.cfg.mode == "async":  # the rollout side runs ahead in its own process
                     run_async(rt, reporter, producer)
                 else:
-                    for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
-                        metrics = rl_iteration(rt.run_id, iteration)
-                        reporter("iteration", {"iteration": iteration, **metrics})
-                        check_rewards(rt, iteration, metrics)
+                    run_sync(rt, reporter)
             _update_run(rt, "completed")
             rt.tracker.finish("FINISHED")
             return {"run_id": rt.run_id, "home": str(rt.home), "lake_uri": rt.cfg.resolved_lake_uri,
@@ -149,6 +147,18 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
         except BaseException:
             fail_run(rt)
             raise
+
+
+def run_sync(rt: Runtime, reporter) -> None:
+    """Iterations ``rt.start_iteration .. num_rollout - 1``, one ``rl_iteration`` flow run each;
+    iteration i+1's run is created while iteration i runs (flows/prefetch.py)."""
+    last = rt.cfg.num_rollout - 1
+    with IterationRuns(rl_iteration) as runs:
+        for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
+            following = {"run_id": rt.run_id, "iteration": iteration + 1} if iteration < last else None
+            metrics = runs.run({"run_id": rt.run_id, "iteration": iteration}, following)
+            reporter("iteration", {"iteration": iteration, **metrics})
+            check_rewards(rt, iteration, metrics)
 
 
 def eval_due(rt: Runtime, done: int, total: int) -> bool:

@@ -21,7 +21,7 @@ from infra.faults import fault_join, fault_point
 from infra.runtime import Runtime
 from tasks.lake import read_training_slice, record_train_step
 from tasks.rebuild import RECORDED_TERMS, seed_training
-from tasks.train import log_metrics, publish_weights, train
+from tasks.train import publish_weights, train
 from trainers.metrics import staleness
 
 STEP_METRICS = RECORDED_TERMS
@@ -86,7 +86,9 @@ def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_sta
         rt.prune_checkpoints(keep_version=new_version)  # new_version is committed now
         fault_join("during_background_write")  # committed, its checkpoint half-written
         fault_point("during_mlflow_log")
-        log_metrics(rt, {**metrics, **{f"time/{k}": v for k, v in timings.items()}}, iteration)
+        # queued for the tracker's background sender (it retries): no task run around a queue put
+        rt.tracker.log_metrics({**metrics, **{f"time/{k}": v for k, v in timings.items()}},
+                               iteration)
         register_version(rt, new_version, iteration, lake_version, training_slice.num_rows,
                          saved=saved is not None)
     return metrics

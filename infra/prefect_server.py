@@ -20,6 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from infra import prefect_db
 from infra.recovery import pid_alive, stop_processes
 
 STATE_FILE = "server.json"
@@ -129,7 +130,9 @@ class EmbeddedServer:
     startup (model, data, MLflow store) so the two overlap, instead of on the first flow call.
 
     The same server Prefect would start itself (uvicorn on ``create_app`` with Prefect's
-    ephemeral settings), with three differences: it starts early; it dies with this process
+    ephemeral settings), with four differences: it starts early; a fresh home gets a ready
+    database from the cache (``infra.prefect_db``: no migrations, no block registration); it
+    dies with this process
     (``PR_SET_PDEATHSIG``: a kill -9 of the run leaves no server behind; ``infra.recovery``
     still stops any that survive); and two processes on one fresh home do not create its
     database at once (a file lock is held from spawn until it answers).
@@ -140,6 +143,8 @@ class EmbeddedServer:
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
         self._lock = None
+        self.from_template = False  # its database was copied from the cache (infra/prefect_db.py)
+        self._builds_database = False  # it creates its database itself: keep a template after
 
     @classmethod
     def start(cls, home: str | Path) -> EmbeddedServer | None:
@@ -186,6 +191,12 @@ class EmbeddedServer:
         env = {**os.environ, "PREFECT_HOME": str(self.phome), "PREFECT_UI_ENABLED": "0",
                "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
         env.pop("PREFECT_API_URL", None)
+        # a fresh home starts from a ready database when the cache has one (seconds saved)
+        fresh = not (self.phome / prefect_db.DB_NAME).exists()
+        self.from_template = prefect_db.seed_database(self.phome)
+        self._builds_database = fresh and not self.from_template
+        if self.from_template:
+            env.update(prefect_db.FROM_TEMPLATE_ENV)
         with open(self.phome / "embedded-server.log", "ab") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)  # noqa: PLW1509
@@ -202,6 +213,8 @@ class EmbeddedServer:
         try:
             wait_until_healthy(self.url, self.proc, self.phome / "embedded-server.log", timeout_s,
                                poll_s=0.1)
+            if self._builds_database:  # once per machine and Prefect version
+                prefect_db.save_template(self.phome)
         finally:
             self._release()
         return self.url

@@ -5,6 +5,8 @@
   is gone, ``stop_processes`` ends them by PID.
 - The dead process's flow runs stay RUNNING: ``mark_crashed`` sets every RUNNING flow run tagged
   with the rlake run (``run_tag``) to Crashed.
+- A flow run the dead process created ahead of time for its next iteration never started
+  (Pending, named ``PREFETCHED``): ``delete_prefetched`` deletes it rather than mark it Crashed.
 - Two processes must not drive one run: ``claim_run`` writes ``owner.pid`` in the run folder and
   refuses when a live process already holds it.
 """
@@ -17,6 +19,8 @@ import time
 from pathlib import Path
 
 SERVER_SIGNATURE = "prefect.server.api.server:create_app"
+# the state name of a flow run created ahead of its iteration (flows/prefetch.py) and not started
+PREFETCHED = "Prefetched"
 
 
 def run_tag(run_id: str) -> str:
@@ -160,6 +164,32 @@ def mark_crashed(run_id: str, exclude: set[str] | None = None) -> list[str]:
                                       force=True)
             marked.append(str(fr.id))
     return marked
+
+
+def delete_prefetched(run_id: str) -> list[str]:
+    """Delete the flow runs tagged ``run_tag(run_id)`` that were created ahead of their iteration
+    and never started (Pending, named ``PREFETCHED``), and the parent's task runs that stood
+    for them. Returns their ids."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateName,
+        FlowRunFilterTags,
+    )
+
+    flt = FlowRunFilter(tags=FlowRunFilterTags(all_=[run_tag(run_id)]),
+                        state=FlowRunFilterState(name=FlowRunFilterStateName(any_=[PREFETCHED])))
+    deleted = []
+    with get_client(sync_client=True) as client:
+        for fr in client.read_flow_runs(flow_run_filter=flt):
+            if fr.state_type is not None and fr.state_type.value != "PENDING":
+                continue
+            client.delete_flow_run(fr.id)
+            if fr.parent_task_run_id is not None:
+                client.delete_task_run(fr.parent_task_run_id)
+            deleted.append(str(fr.id))
+    return deleted
 
 
 def tag_current_flow_run(run_id: str) -> str | None:

@@ -1,4 +1,7 @@
-"""Training tasks: train on a slice, publish the new weight version, log metrics."""
+"""Training tasks: train on a slice, publish the new weight version.
+
+MLflow metrics are no task: ``Tracker.log_metrics`` only queues them for its background sender
+(which retries), so a task run around it was Prefect's per-task cost for a queue put."""
 
 from __future__ import annotations
 
@@ -76,8 +79,3 @@ def receives_broadcast(engine) -> bool:
     config = getattr(engine, "config", None)
     return (getattr(config, "weight_sync", None) == "distributed"
             and hasattr(engine, "update_weights_from_tensors"))
-
-
-@task(name="log_metrics", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def log_metrics(rt: Runtime, metrics: dict[str, float], step: int) -> None:
-    rt.tracker.log_metrics(metrics, step)

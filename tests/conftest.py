@@ -73,6 +73,17 @@ def pytest_runtest_setup(item):
     pytest.fail(f"{missing} -- the SGLang tests need it: run `make setup-sglang` first", pytrace=False)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def rlake_cache_dir(tmp_path_factory) -> Path:
+    """rlake's cache (the Prefect database template, infra/prefect_db.py) in this test session's
+    temporary folder, never the user's: shared by the xdist workers of one session (the parent
+    of a worker's base folder is the session's; the template is written under a file lock)."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "rlake-cache"
+    os.environ["RLAKE_CACHE_DIR"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def cli():
     return run_cli

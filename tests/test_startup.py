@@ -157,3 +157,33 @@ def test_resume_of_an_unknown_run_is_one_line(tmp_path):
     (line,) = _error_lines(log)
     assert "no run 'nosuchrun' in the lake" in line
     assert not (tmp_path / "home" / "prefect" / "prefect.db").exists()
+
+
+def test_a_fresh_home_starts_from_the_cached_prefect_database(tmp_path):
+    """The first run on a machine (an empty cache) leaves its Prefect database as the template
+    (infra/prefect_db.py); the next fresh home gets a copy of it (seen by a marker table put
+    into the template) and its runs are recorded there as usual."""
+    from infra.prefect_db import template_path
+
+    cache = tmp_path / "cache"
+    env = cli_env(None, RLAKE_CACHE_DIR=str(cache))
+    first = rlake(_args(tmp_path / "home1", "first"), env, tmp_path / "first.log")
+    assert first.returncode == 0, tail(tmp_path / "first.log")
+    (template,) = (cache / "prefect-db").glob("*.db")
+    import importlib.metadata
+
+    assert f"prefect-{importlib.metadata.version('prefect')}" in template.name
+    con = sqlite3.connect(template)  # the template is a migrated Prefect database
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "delete"  # one file, no -wal
+    assert con.execute("SELECT count(*) FROM block_type").fetchone()[0] > 0
+    assert con.execute("SELECT count(*) FROM flow_run").fetchone()[0] == 0
+    con.execute("CREATE TABLE rlake_marker (x INTEGER)")
+    con.commit()
+    con.close()
+    second = rlake(_args(tmp_path / "home2", "second"), env, tmp_path / "second.log")
+    assert second.returncode == 0, tail(tmp_path / "second.log")
+    with sqlite3.connect(tmp_path / "home2" / "prefect" / "prefect.db") as con:
+        assert con.execute("SELECT name FROM sqlite_master WHERE name = 'rlake_marker'").fetchone()
+    states = _flow_run_states(tmp_path / "home2")
+    assert states and {s for _, s in states} == {"COMPLETED"}, states
+    assert template_path().parent != cache / "prefect-db"  # this process's cache is the session's

@@ -1,0 +1,83 @@
+"""The Prefect API round trips an RL iteration waits for, counted against the real embedded
+server (bench/flow_requests.py: every request the run's process sends, recorded at httpx), and
+the flow runs created ahead of their iteration (flows/prefetch.py).
+
+Before the prefetcher and the client setting (infra/env.py) an iteration sent 8 requests and
+waited for all of them: a CSRF token, the subflow's tracking task run, a look-up of an existing
+subflow run, the flow, the flow run, Running, a read, Completed. Now it waits for 4 (an update
+of the pre-created run, Running, a read, Completed); the 4 creating the next one are sent from a
+background thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from infra.env import OFFLINE_ENV
+from tests.conftest import REPO
+
+MAX_CRITICAL = 4
+
+
+def _run(code_or_args: list[str], tmp_path: Path) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    # rlake's Prefect settings (a server start limit for a loaded machine among them)
+    env.update(OFFLINE_ENV, PYTHONPATH=str(REPO), PREFECT_HOME=str(tmp_path / "prefect"))
+    proc = subprocess.run([sys.executable, *code_or_args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_an_iteration_waits_for_at_most_four_prefect_requests(tmp_path):
+    stdout = _run(["bench/flow_requests.py", "--iterations", "5"], tmp_path)
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert len(out["critical"]) == 4  # iterations 1..4 (the first pays one-off set-up)
+    assert max(out["critical"]) <= MAX_CRITICAL, stdout
+    # the next iteration's run is created meanwhile, off the path (3 requests each; when they
+    # land relative to the iteration events varies)
+    assert sum(t - c - lease for t, c, lease in zip(out["total"], out["critical"], out["leases"],
+                                                    strict=True)) >= 3, stdout
+    # and only once the iteration is Running: its own writes do not meet the creation's
+    assert all(x is not False for x in out["created_while_running"]), stdout
+    # every iteration is a flow run of its own, finished; none created ahead is left over
+    assert out["rl_iteration_runs"] == {"COMPLETED": 5}, stdout
+
+
+FAILING_PARENT = """
+import json, sys
+from prefect import flow
+from flows.prefetch import IterationRuns
+from bench.flow_requests import flow_run_states
+
+@flow(name="child")
+def child(i: int) -> int:
+    if i == 2:
+        raise ValueError("iteration 2 fails")
+    return i
+
+@flow(name="parent")
+def parent() -> list:
+    out = []
+    with IterationRuns(child) as runs:
+        for i in range(5):
+            out.append(runs.run({"i": i}, {"i": i + 1}))
+    return out
+
+try:
+    parent()
+except ValueError:
+    pass
+print(json.dumps(flow_run_states("child")))
+"""
+
+
+def test_a_failed_iteration_leaves_no_run_created_ahead(tmp_path):
+    """Iteration 2 fails while iteration 3's run exists already: that run is deleted, so the
+    child runs are exactly 0, 1 (Completed) and 2 (Failed)."""
+    stdout = _run(["-c", FAILING_PARENT], tmp_path)
+    assert json.loads(stdout.strip().splitlines()[-1]) == {"COMPLETED": 2, "FAILED": 1}, stdout
