@@ -34,6 +34,10 @@ def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: float =
 # Test files that start Ray share one xdist worker: two local Ray clusters at once on 2 cores
 # only slow each other down, and each would see the other's processes.
 RAY_FILES = frozenset({"test_ray.py", "test_megatron_ray.py"})
+# The SGLang server files share one worker too: with two server sets up at once, the restart
+# and router tests of test_sglang_server.py saw log-probs off checkpoint ``a`` (twice, under
+# load; never alone). Cause not found: see the note of 2026-11-24.
+SGLANG_FILES = frozenset({"test_sglang_server.py", "test_sglang_quickstart.py"})
 # The slowest files first (from `--durations`), so both workers are busy until near the end
 # instead of one running a 5-minute file alone after the other has finished.
 SLOW_FIRST = ("test_async.py", "test_resume_faults.py", "test_sglang_quickstart.py",
@@ -54,7 +58,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     for item in items:
         name = _file_name(item)
-        item.add_marker(pytest.mark.xdist_group("ray" if name in RAY_FILES else name))
+        group = "ray" if name in RAY_FILES else "sglang" if name in SGLANG_FILES else name
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -12,6 +12,7 @@ rank 0 broadcasts them in that order, all inside ``/begin_weight_update`` ...
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -92,7 +93,8 @@ class DistributedWeightSender:
                  master_addr: str = "127.0.0.1", bucket_bytes: int = 256 << 20):
         self.client, self.urls, self.backend = client, list(urls), backend
         self.master_addr, self.bucket_bytes = master_addr, bucket_bytes
-        self.group_name = f"rlake_weights_{next(_GROUP_IDS)}"
+        # unique across processes: two runs on one machine must never share a store prefix
+        self.group_name = f"rlake_weights_{os.getpid()}_{next(_GROUP_IDS)}"
         self.pg: torch.distributed.ProcessGroup | None = None
 
     def connect(self) -> None:
