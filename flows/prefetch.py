@@ -29,7 +29,7 @@ from prefect.context import FlowRunContext, TagsContext
 from prefect.flow_engine import run_flow
 from prefect.states import Pending
 
-from infra.recovery import PREFETCHED
+from infra.recovery import PREFETCHED, delete_with_tracker
 
 # a run that is not Running after this long (a slow start): create the next one anyway
 START_WAIT_S = 10.0
@@ -154,10 +154,7 @@ class IterationRuns:
         flow_run = _created(future)
         if flow_run is None:  # never created: nothing to delete
             return
-        client = self._client_()
-        client.delete_flow_run(flow_run.id)
-        if flow_run.parent_task_run_id is not None:
-            client.delete_task_run(flow_run.parent_task_run_id)
+        delete_with_tracker(self._client_(), flow_run)
 
     def _close_client(self) -> None:
         if self._client is not None:

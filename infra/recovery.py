@@ -185,11 +185,16 @@ def delete_prefetched(run_id: str) -> list[str]:
         for fr in client.read_flow_runs(flow_run_filter=flt):
             if fr.state_type is not None and fr.state_type.value != "PENDING":
                 continue
-            client.delete_flow_run(fr.id)
-            if fr.parent_task_run_id is not None:
-                client.delete_task_run(fr.parent_task_run_id)
+            delete_with_tracker(client, fr)
             deleted.append(str(fr.id))
     return deleted
+
+
+def delete_with_tracker(client, flow_run) -> None:
+    """Delete a subflow run and the parent's task run that stood for it (a sync client)."""
+    client.delete_flow_run(flow_run.id)
+    if flow_run.parent_task_run_id is not None:
+        client.delete_task_run(flow_run.parent_task_run_id)
 
 
 def tag_current_flow_run(run_id: str) -> str | None:
