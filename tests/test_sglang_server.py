@@ -56,11 +56,26 @@ def recompute(path: str, prompt: list[int], result: GenerationResult, temperatur
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(result.token_ids)[:, None])[:, 0]
 
 
-def mismatch(path: str, prompts: list[list[int]], results: list[GenerationResult], temperature: float) -> float:
+class Mismatch(float):
+    """Mean |rollout logprob - recomputed logprob| over all response tokens; its repr lists the
+    samples that are off (their server, version, cached tokens, attempts) so a failure says where."""
+
+    def __new__(cls, value: float, off: list[str]):
+        obj = super().__new__(cls, value)
+        obj.off = off
+        return obj
+
+    def __repr__(self) -> str:
+        return f"{float(self):.4g} (off: {'; '.join(self.off) or 'none'})"
+
+
+def mismatch(path: str, prompts: list[list[int]], results: list[GenerationResult], temperature: float) -> Mismatch:
     """Mean |rollout logprob - recomputed logprob| over all response tokens."""
     diffs = [(recompute(path, p, r, temperature) - torch.tensor(r.logprobs)).abs()
              for p, r in zip(prompts, results, strict=True)]
-    return float(torch.cat(diffs).mean())
+    off = [f"#{i} {float(d.mean()):.3g} {p}->{r.token_ids} {r.meta}"
+           for i, (p, r, d) in enumerate(zip(prompts, results, diffs, strict=True)) if float(d.mean()) >= TOL]
+    return Mismatch(float(torch.cat(diffs).mean()), off)
 
 
 @pytest.fixture(scope="module")
