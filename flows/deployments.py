@@ -15,11 +15,13 @@ cancelled.) Deployments recorded while ``rlake serve`` runs are picked up within
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import signal
 from pathlib import Path
+from typing import Any
 
 from prefect import flow
 
@@ -125,7 +127,6 @@ def serve_forever(home: str | Path, api_url: str, maintenance_interval: float | 
     that come due meanwhile wait their turn instead of piling up processes. The deployments
     folder is read again every ``rescan_s`` seconds: a deployment recorded (or changed) by
     ``rlake deploy`` meanwhile is registered and served without a restart."""
-    import asyncio
 
     os.environ["PREFECT_API_URL"] = api_url
     # flow runs execute in subprocesses that import flows/*.py: they need this checkout importable
@@ -159,7 +160,18 @@ async def _serve(home: str | Path, maintenance_interval: float | None, limit: in
     import anyio
     from prefect.runner import Runner
 
-    runner = Runner(name="rlake-serve", limit=limit)
+    loop = asyncio.get_running_loop()
+    stop_asked = asyncio.Event()
+
+    class CleanStopRunner(Runner):
+        """Prefect's Runner whose SIGTERM handler asks the event loop to stop it. Prefect's own
+        calls ``sys.exit(0)`` from inside whatever coroutine is running: its clean-up (pausing
+        the deployments) was then cancelled half-way, with a cancel-scope RuntimeError."""
+
+        def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:
+            loop.call_soon_threadsafe(stop_asked.set)
+
+    runner = CleanStopRunner(name="rlake-serve", limit=limit)
     served: dict[str, str] = {}  # deployment name -> the spec it was registered from
 
     async def register_new() -> None:
@@ -176,8 +188,16 @@ async def _serve(home: str | Path, maintenance_interval: float | None, limit: in
             except ValueError as err:  # a bad spec file: say so, keep serving the others
                 print(f"deployments: {err}", flush=True)
 
+    async def stop_when_asked(group: anyio.abc.TaskGroup) -> None:
+        await stop_asked.wait()
+        if runner.started:
+            await runner.astop()  # its start() returns once its loops have wound down
+        else:
+            group.cancel_scope.cancel()
+
     await register_new()
     async with anyio.create_task_group() as group:
         group.start_soon(rescan)
+        group.start_soon(stop_when_asked, group)
         await runner.start()
         group.cancel_scope.cancel()
