@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from infra.config import ClusterConfig, RunConfig
+from infra.config import ClusterConfig, RunConfig, megatron_world_size
 
 BOOTSTRAP_NAME = "ray_bootstrap_config.yaml"
 LOCAL_PROVIDER = {"provider": {"type": "local"}}
@@ -119,11 +119,10 @@ _CONNECTION: dict[str, RayConnection] = {}
 
 
 def megatron_ray_ranks(cfg: RunConfig) -> int:
-    """The Megatron world (TP x PP) when its ranks run as Ray actors, else 0: Ray on, backend
-    megatron, world > 1 (a world of one stays one trainer, in process or in its actor)."""
-    t = cfg.trainer
-    world = t.tensor_model_parallel_size * t.pipeline_model_parallel_size
-    on = cfg.cluster.ray_address is not None and t.backend == "megatron" and world > 1
+    """The Megatron world when its ranks run as Ray actors, else 0: Ray on, backend megatron,
+    world > 1 (a world of one stays one trainer, in process or in its actor)."""
+    world = megatron_world_size(cfg.trainer)
+    on = cfg.cluster.ray_address is not None and cfg.trainer.backend == "megatron" and world > 1
     return world if on else 0
 
 

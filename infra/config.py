@@ -128,6 +128,21 @@ class RolloutConfig(_Section):
         return self
 
 
+MEGATRON_PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                           "data_parallel_size")
+
+
+def megatron_world_size(trainer: Any) -> int:
+    """tensor_model_parallel_size * pipeline_model_parallel_size * data_parallel_size of a
+    trainer section (a missing or None size is 1): how many Megatron ranks it runs."""
+    sizes = [getattr(trainer, k, None) for k in MEGATRON_PARALLEL_SIZES]
+    sizes = [1 if v is None else int(v) for v in sizes]
+    for k, v in zip(MEGATRON_PARALLEL_SIZES, sizes, strict=True):
+        if v < 1:
+            raise ValueError(f"trainer.{k}={v}: must be >= 1")
+    return sizes[0] * sizes[1] * sizes[2]
+
+
 class TrainerConfig(_Section):
     """The trainer: slime's flag names (snake_case). Formulas: docs/algorithms.md."""
 

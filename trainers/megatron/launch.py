@@ -16,33 +16,20 @@ from __future__ import annotations
 
 import os
 import queue
-import time
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-from trainers.megatron.losses import cfg_get
+from infra.config import megatron_world_size
 from trainers.megatron.ranks import (
-    SETTLE_S,
     Answer,
     MegatronRanks,
     RankDied,
-    RankFailed,
+    gather_answers,
     rank_environment,
     start_rank,
 )
-
-PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
-
-
-def world_size_for(config: Any) -> int:
-    """tensor_model_parallel_size * pipeline_model_parallel_size * data_parallel_size."""
-    sizes = [int(cfg_get(config, k, 1)) for k in PARALLEL_SIZES]
-    for k, v in zip(PARALLEL_SIZES, sizes, strict=True):
-        if v < 1:
-            raise ValueError(f"trainer.{k}={v}: must be >= 1")
-    return sizes[0] * sizes[1] * sizes[2]
 
 
 def _worker(rank: int, world: int, port: int, threads: int, config: Any, model_dir: str,
@@ -63,7 +50,7 @@ class ProcessRanks:
 
     def __init__(self, config: Any, model_dir: str, threads_per_rank: int = 1,
                  **kwargs: Any) -> None:
-        self.world = world_size_for(config)
+        self.world = megatron_world_size(config)
         self._spec = (config, model_dir, threads_per_rank, kwargs)
         self._procs: list[Any] = []
 
@@ -88,35 +75,19 @@ class ProcessRanks:
         return self._gather(timeout_s)
 
     def _gather(self, timeout_s: float | None) -> list[Answer]:
-        """Every rank's answer. After the first error answer the others get ``SETTLE_S`` more
-        (the rest may be stuck in a collective with a broken rank), and a rank whose process is
-        gone raises ``RankDied``: the dead rank is the cause, its peers' errors the effect."""
-        answers: dict[int, Answer] = {}
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        settle = None
-        while len(answers) < self.world and (settle is None or time.monotonic() < settle):
-            try:
-                rank, answer = self._outbox.get(timeout=1.0 if settle is None else 0.2)
-            except queue.Empty:
-                self._check_silent(set(answers), deadline if settle is None else None, timeout_s)
-                continue
-            answers[rank] = answer
-            if answer[0] == "err" and settle is None:
-                settle = time.monotonic() + SETTLE_S
-        if settle is not None:
-            self._check_silent(set(answers), None, timeout_s)
-        return [answers.get(r, ("ok", None)) for r in range(self.world)]
+        return gather_answers(self.world, self._receive, timeout_s)
 
-    def _check_silent(self, answered: set[int], deadline: float | None,
-                      timeout_s: float | None) -> None:
-        """Raise for a rank gone without answering, or for ranks silent past the deadline."""
+    def _receive(self, wait_s: float, answered: set[int]) -> tuple[int, Answer] | None:
+        """The next answer from the shared outbox, or None; ``RankDied`` for a rank whose
+        process is gone without answering."""
+        try:
+            return self._outbox.get(timeout=wait_s)
+        except queue.Empty:
+            pass
         for r, p in enumerate(self._procs):
             if r not in answered and not p.is_alive():
                 raise RankDied(r, f"its process exited with code {p.exitcode} without answering")
-        if deadline is not None and time.monotonic() > deadline:
-            silent = sorted(set(range(self.world)) - answered)
-            raise RankFailed(None, f"ranks {silent} gave no answer within {timeout_s}s",
-                             what="timed out")
+        return None
 
     def stop(self, graceful: bool) -> None:
         """``graceful``: ask each rank to close (30 s), then terminate what is left."""
@@ -141,7 +112,7 @@ class SpawnedMegatronTrainer(MegatronRanks):
 def make_megatron_trainer(config: Any, model_dir: str, **kwargs: Any):
     """``MegatronTrainer`` in this process for world size 1 (or under torchrun), else a
     :class:`SpawnedMegatronTrainer` with one process per rank."""
-    if world_size_for(config) == 1 or "WORLD_SIZE" in os.environ:
+    if megatron_world_size(config) == 1 or "WORLD_SIZE" in os.environ:
         from trainers.megatron.trainer import MegatronTrainer
         return MegatronTrainer(config, model_dir, **kwargs)
     return SpawnedMegatronTrainer(config, model_dir, **kwargs)

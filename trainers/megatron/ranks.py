@@ -23,6 +23,7 @@ the same way (``None``: wait as long as the ranks live).
 from __future__ import annotations
 
 import os
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -39,6 +40,7 @@ RESUME_HINT = "resume the run from its last checkpoint (rlake resume)"
 SETTLE_S = 10.0
 # what every rank answers: ("ok", rank 0's result or None) | ("err", traceback text)
 Answer = tuple[str, Any]
+POLL_S = 1.0  # how often a silent rank is looked at (dead? past the deadline?)
 
 
 class RankFailed(RuntimeError):
@@ -55,6 +57,41 @@ class RankDied(RankFailed):
 
     def __init__(self, rank: int, detail: str) -> None:
         super().__init__(rank, detail, what="died")
+
+
+def is_error(answer: Any) -> bool:
+    return isinstance(answer, tuple) and answer[:1] == ("err",)
+
+
+def gather_answers(world: int, receive: Callable[[float, set[int]], tuple[int, Any] | None],
+                   timeout_s: float | None, settle_s: float = SETTLE_S) -> list[Any]:
+    """Every rank's answer, in rank order, whichever launcher carries them.
+
+    ``receive(wait_s, answered)`` returns the next ``(rank, answer)`` within ``wait_s`` or None,
+    and raises ``RankDied`` for a rank gone without answering. After the first error answer the
+    others get ``settle_s`` more (they may be stuck in a collective with the broken rank, and a
+    death found meanwhile is the cause to report); without one, ranks still silent after
+    ``timeout_s`` fail the call. A rank that never answered within the settle time counts as
+    ``("ok", None)``: the error answer is what the caller raises."""
+    answers: dict[int, Any] = {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    settle: float | None = None
+    while len(answers) < world:
+        end = settle if settle is not None else deadline
+        left = None if end is None else end - time.monotonic()
+        if left is not None and left <= 0:
+            if settle is not None:
+                break
+            silent = sorted(set(range(world)) - set(answers))
+            raise RankFailed(None, f"ranks {silent} gave no answer within {timeout_s}s", what="timed out")
+        got = receive(POLL_S if left is None else min(POLL_S, left), set(answers))
+        if got is None:
+            continue
+        rank, answer = got
+        answers[rank] = answer
+        if settle is None and is_error(answer):
+            settle = time.monotonic() + settle_s
+    return [answers.get(r, ("ok", None)) for r in range(world)]
 
 
 def parse_rank_fault(spec: str | None, rank: int) -> int | None:

@@ -20,23 +20,20 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from typing import Any
 
 import torch
 
 from infra.cluster import actor_options, bundle, connect, placement_group
-from infra.config import ClusterConfig
+from infra.config import ClusterConfig, megatron_world_size
 from infra.modeling import resolve_dtype
-from trainers.megatron.launch import world_size_for
 from trainers.megatron.ranks import (
     RANK_FAULT_ENV,
-    SETTLE_S,
     Answer,
     MegatronRanks,
     RankDied,
-    RankFailed,
     RankServer,
+    gather_answers,
     rank_environment,
     start_rank,
 )
@@ -92,7 +89,7 @@ class RayRanks:
                  dtype: str = "auto", ray_cpus: int | None = None, **kwargs: Any) -> None:
         """``device``/``dtype``: the run's settings (auto | cpu | cuda, auto | fp32 | bf16),
         resolved against the cluster's GPUs, not this process's (the driver may have none)."""
-        self.world = world_size_for(config)
+        self.world = megatron_world_size(config)
         self.cluster = cluster
         self.actors: list[Any] = []
         self.pids: list[int] = []
@@ -137,33 +134,24 @@ class RayRanks:
         return self._wait([a.call.remote(name, ref) for a in self.actors], timeout_s)
 
     def _wait(self, refs: list[Any], timeout_s: float | None) -> list[Any]:
-        """Each rank's answer in rank order. After the first error answer the others get
-        ``SETTLE_S`` more, and a dead actor raises ``RankDied`` (see ``ProcessRanks._gather``)."""
+        """Each rank's answer in rank order (``gather_answers``); a dead actor is ``RankDied``."""
         import ray
 
         index = {ref: r for r, ref in enumerate(refs)}
-        answers: dict[int, Any] = {}
         pending = list(refs)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        settle = None
-        while pending:
-            ends = [t for t in (deadline, settle) if t is not None]
-            left = None if not ends else max(0.0, min(ends) - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-            if not ready and settle is not None:
-                break
+
+        def receive(wait_s: float, answered: set[int]) -> tuple[int, Any] | None:
+            nonlocal pending
+            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
             if not ready:
-                silent = sorted(index[p] for p in pending)
-                raise RankFailed(None, f"ranks {silent} gave no answer within {timeout_s}s",
-                                 what="timed out")
+                return None
             rank = index[ready[0]]
             try:
-                answers[rank] = ray.get(ready[0])
+                return rank, ray.get(ready[0])
             except ray.exceptions.RayActorError as err:
                 raise RankDied(rank, f"its Ray actor died ({type(err).__name__}): {err}") from None
-            if isinstance(answers[rank], tuple) and answers[rank][:1] == ("err",) and settle is None:
-                settle = time.monotonic() + SETTLE_S
-        return [answers.get(r, ("ok", None)) for r in range(len(refs))]
+
+        return gather_answers(len(refs), receive, timeout_s)
 
     def stop(self, graceful: bool) -> None:
         """``graceful``: let each rank close its trainer and process group (bounded), then kill
