@@ -89,8 +89,14 @@ class IterationRuns:
     def run(self, parameters: dict[str, Any], next_parameters: dict[str, Any] | None = None,
             extra_tags: set[str] | None = None, next_tags: set[str] | None = None) -> Any:
         """Run the flow for ``parameters`` (on its pre-created run if there is one, else as a
-        plain subflow call) with ``extra_tags`` on it and its task runs, after asking for the
-        next one's run (``next_parameters``, ``next_tags``) to be created meanwhile."""
+        plain subflow call) with ``extra_tags`` on it, after asking for the next one's run
+        (``next_parameters``, ``next_tags``) to be created meanwhile.
+
+        A pre-created run has its tags already, and its task runs do not get ``extra_tags``:
+        each new tag set costs every task run a tag-concurrency request to the server (Prefect
+        caches "no limit" per tag set for 5 s), and async mode's per-batch tags made that one
+        per task and iteration, colliding with the rollout process's writes (2 s each,
+        measured 2026-11-24). A run made here by the plain call takes them from the context."""
         extra_tags = set(extra_tags or ())
         future = self._pending.pop(_key(parameters, self._tags | extra_tags), None)
         self._started = threading.Event()
@@ -98,10 +104,10 @@ class IterationRuns:
             self.prefetch(next_parameters, next_tags)
         flow_run = _created(future)
         try:
-            with tags(*sorted(extra_tags)):
-                if flow_run is None:
+            if flow_run is None:
+                with tags(*sorted(extra_tags)):
                     return self.flow(**parameters)
-                return run_flow(self.flow, flow_run=flow_run, parameters=parameters)
+            return run_flow(self.flow, flow_run=flow_run, parameters=parameters)
         finally:
             self._started.set()  # never Running (failed before): the next creation goes on
 

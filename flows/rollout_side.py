@@ -29,8 +29,13 @@ PR_SET_PDEATHSIG = 1
 
 
 def batch_tag(batch: int) -> str:
-    """The Prefect tag of the rollout batch ``batch`` (the consuming iteration carries it too)."""
+    """The Prefect tag of the iteration that trains on rollout batch ``batch``."""
     return BATCH_TAG.format(batch)
+
+
+def batch_run_name(batch: int) -> str:
+    """The name of rollout batch ``batch``'s task run (its iteration carries ``batch_tag``)."""
+    return f"rollout_batch-{batch}"
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -78,7 +83,6 @@ class Mailbox:
 
 def produce(side, mailbox: Mailbox, outbox, stop_at: int) -> None:
     """The loop of the module docstring (runs inside the ``rollout_side`` flow)."""
-    from prefect import tags
 
     from tasks.async_batches import rollout_batch
 
@@ -92,8 +96,9 @@ def produce(side, mailbox: Mailbox, outbox, stop_at: int) -> None:
             side.load_weights(mailbox.payload, mailbox.version)
             mailbox.payload = None
         side.seed_batch(batch)
-        with tags(batch_tag(batch)):
-            stats = rollout_batch(side, batch)
+        # named after its batch, not tagged: a tag set new to a task run costs it a
+        # tag-concurrency request, which collided with the training process's writes (2 s)
+        stats = rollout_batch.with_options(task_run_name=batch_run_name(batch))(side, batch)
         outbox.put(("appended", batch, stats))
         batch += 1
 

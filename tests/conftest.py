@@ -38,9 +38,12 @@ RAY_FILES = frozenset({"test_ray.py", "test_megatron_ray.py"})
 # each other down.
 SGLANG_FILES = frozenset({"test_sglang_server.py", "test_sglang_quickstart.py"})
 # The slowest files first (from `--durations`), so both workers are busy until near the end
-# instead of one running a 5-minute file alone after the other has finished.
-SLOW_FIRST = ("test_async.py", "test_resume_faults.py", "test_sglang_quickstart.py",
-              "test_ray.py", "test_quickstart.py", "test_checkpoints.py")
+# instead of one running a 5-minute file alone after the other has finished. test_quickstart.py
+# leads: its module fixture builds the shared SFT warm-up (``warm_model``, ~3 min under load) at
+# once, while the other worker runs test_resume_faults.py, which needs none; the other learning
+# tests then find it built instead of waiting on its lock.
+SLOW_FIRST = ("test_quickstart.py", "test_resume_faults.py", "test_async.py",
+              "test_sglang_quickstart.py", "test_ray.py", "test_checkpoints.py")
 
 
 def _file_name(item: pytest.Item) -> str:

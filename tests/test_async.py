@@ -183,14 +183,17 @@ def test_rollout_batches_are_prefect_task_runs_linked_to_iterations(async_run):
     assert len(iterations) == N_ITER and all(f.state_type.value == "COMPLETED" for f in iterations)
 
     def batch_of(run) -> str:
-        return next(x for x in run.tags if x.startswith("rlake-batch:"))
+        return next(x for x in run.tags if x.startswith("rlake-batch:")).split(":")[1]
 
-    assert sorted(batch_of(t) for t in batches) == sorted(f"rlake-batch:{i}" for i in range(N_ITER))
+    # each batch's task run is named after it (no per-batch tag: a tag set new to a task run
+    # costs it a tag-concurrency request, flows/rollout_side.py)
+    assert sorted(t.name for t in batches) == sorted(f"rollout_batch-{i}" for i in range(N_ITER))
+    assert not [t.name for t in batches if any(x.startswith("rlake-batch:") for x in t.tags)]
     # each iteration names the batch it trained on, which the lake confirms
     _, steps = _records(home, "bound")
     trained = {s["step"]: {u.split("/")[1] for u in s["sample_uids"]} for s in steps}
     for f in iterations:
-        assert trained[f.parameters["iteration"]] == {batch_of(f).split(":")[1]}
+        assert trained[f.parameters["iteration"]] == {batch_of(f)}
 
 
 def test_kill9_then_resume_trains_what_the_lake_holds(server):

@@ -48,8 +48,15 @@ def test_an_iteration_waits_for_at_most_four_prefect_requests(tmp_path):
     assert out["rl_iteration_runs"] == {"COMPLETED": 5}, stdout
 
 
+# rlake's embedded server (its database from the cached template), as a run gets it: Prefect's
+# own temporary server would migrate a fresh database first (a minute under load)
 FAILING_PARENT = """
-import json, sys
+import json, os, sys
+from infra.env import set_environment
+from infra.prefect_server import EmbeddedServer
+home = set_environment(os.path.dirname(os.environ["PREFECT_HOME"]))
+server = EmbeddedServer.start(home)
+server.wait()
 from prefect import flow
 from flows.prefetch import IterationRuns
 from bench.flow_requests import flow_run_states
@@ -72,7 +79,10 @@ try:
     parent()
 except ValueError:
     pass
-print(json.dumps(flow_run_states("child")))
+try:
+    print(json.dumps(flow_run_states("child")))
+finally:
+    server.stop()
 """
 
 
