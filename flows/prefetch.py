@@ -20,7 +20,9 @@ behind, nor marked Crashed.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 from uuid import uuid4
 
@@ -48,6 +50,18 @@ def _created(future: Future | None):
         return future.result()
     except Exception:  # noqa: BLE001 - the fallback sends the same requests again
         return None
+
+
+@contextmanager
+def untagged() -> Iterator[None]:
+    """Task runs started inside carry no tags (their flow run carries the run's). Prefect sends
+    a tag-concurrency request to the server for every task run with tags (caching "no limit"
+    per tag set for 5 s only); with a second writer on the SQLite-backed server (the prefetch
+    thread, async mode's rollout process) those requests met its writes: SQLITE_BUSY -> 503 ->
+    the client retries after 2 s. Async mode ran at 3.3x sync's time per iteration with a
+    per-batch tag on its task runs (measured 2026-11-24, bench/async.py)."""
+    with TagsContext(current_tags=set()):
+        yield
 
 
 class IterationRuns:
@@ -92,11 +106,9 @@ class IterationRuns:
         plain subflow call) with ``extra_tags`` on it, after asking for the next one's run
         (``next_parameters``, ``next_tags``) to be created meanwhile.
 
-        A pre-created run has its tags already, and its task runs do not get ``extra_tags``:
-        each new tag set costs every task run a tag-concurrency request to the server (Prefect
-        caches "no limit" per tag set for 5 s), and async mode's per-batch tags made that one
-        per task and iteration, colliding with the rollout process's writes (2 s each,
-        measured 2026-11-24). A run made here by the plain call takes them from the context."""
+        A pre-created run has its tags already, and its task runs get none (``untagged``). A
+        run made here by the plain call takes its tags from the context, and so do its task
+        runs (the first iteration only)."""
         extra_tags = set(extra_tags or ())
         future = self._pending.pop(_key(parameters, self._tags | extra_tags), None)
         self._started = threading.Event()
@@ -107,7 +119,8 @@ class IterationRuns:
             if flow_run is None:
                 with tags(*sorted(extra_tags)):
                     return self.flow(**parameters)
-            return run_flow(self.flow, flow_run=flow_run, parameters=parameters)
+            with untagged():
+                return run_flow(self.flow, flow_run=flow_run, parameters=parameters)
         finally:
             self._started.set()  # never Running (failed before): the next creation goes on
 

@@ -96,8 +96,7 @@ def produce(side, mailbox: Mailbox, outbox, stop_at: int) -> None:
             side.load_weights(mailbox.payload, mailbox.version)
             mailbox.payload = None
         side.seed_batch(batch)
-        # named after its batch, not tagged: a tag set new to a task run costs it a
-        # tag-concurrency request, which collided with the training process's writes (2 s)
+        # named after its batch, untagged (flows.prefetch.untagged says why)
         stats = rollout_batch.with_options(task_run_name=batch_run_name(batch))(side, batch)
         outbox.put(("appended", batch, stats))
         batch += 1
@@ -118,6 +117,7 @@ def rollout_process_main(spec: dict[str, Any], inbox, outbox) -> None:
         from prefect import flow, tags
         from prefect.settings import temporary_settings
 
+        from flows.prefetch import untagged
         from infra.sides import open_rollout_side
 
         side = open_rollout_side(cfg, spec["run_id"], spec["version"])
@@ -126,7 +126,8 @@ def rollout_process_main(spec: dict[str, Any], inbox, outbox) -> None:
 
         @flow(name="rollout_side")
         def rollout_side(run_id: str, first_batch: int) -> None:
-            produce(side, mailbox, outbox, cfg.num_rollout)
+            with untagged():  # the flow run carries the run's tag; its batches need none
+                produce(side, mailbox, outbox, cfg.num_rollout)
 
         with temporary_settings(updates={"flows.heartbeat_frequency": None}), tags(spec["run_tag"]):
             rollout_side(spec["run_id"], side.next_batch)

@@ -125,15 +125,15 @@ def _check_bound_and_accounting(train, steps, n_iter):
 
 
 def _prefect_runs(api_url, run_id, deadline_s=60.0):
-    """(flow runs by flow name, the rollout side's rollout_batch task runs), all tagged with the
-    run; waits for the task runs, which Prefect's batched recorder writes a few seconds late (a
+    """(flow runs by flow name, tagged with the run; the rollout side's rollout_batch task
+    runs); waits for the task runs, which Prefect's batched recorder writes a few seconds late (a
     hang guard, not a timing check)."""
     from prefect import get_client
     from prefect.client.schemas.filters import (
         FlowRunFilter,
         FlowRunFilterTags,
         TaskRunFilter,
-        TaskRunFilterTags,
+        TaskRunFilterFlowRunId,
     )
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -146,10 +146,11 @@ def _prefect_runs(api_url, run_id, deadline_s=60.0):
             by_flow: dict[str, list] = {}
             for r in runs:
                 by_flow.setdefault(names[r.flow_id], []).append(r)
-            producer = {r.id for r in by_flow.get("rollout_side", [])}
+            producer = [r.id for r in by_flow.get("rollout_side", [])]
+            # task runs carry no tags (flows.prefetch.untagged): found through their flow run
             tasks = client.read_task_runs(task_run_filter=TaskRunFilter(
-                tags=TaskRunFilterTags(all_=[run_tag(run_id)])))
-            batches = [t for t in tasks if t.flow_run_id in producer and t.name.startswith("rollout_batch")
+                flow_run_id=TaskRunFilterFlowRunId(any_=producer))) if producer else []
+            batches = [t for t in tasks if t.name.startswith("rollout_batch")
                        and t.state_type and t.state_type.value == "COMPLETED"]
             if len(batches) >= N_ITER or time.monotonic() > end:
                 return by_flow, batches
@@ -185,10 +186,9 @@ def test_rollout_batches_are_prefect_task_runs_linked_to_iterations(async_run):
     def batch_of(run) -> str:
         return next(x for x in run.tags if x.startswith("rlake-batch:")).split(":")[1]
 
-    # each batch's task run is named after it (no per-batch tag: a tag set new to a task run
-    # costs it a tag-concurrency request, flows/rollout_side.py)
+    # each batch's task run is named after it, untagged (flows.prefetch.untagged)
     assert sorted(t.name for t in batches) == sorted(f"rollout_batch-{i}" for i in range(N_ITER))
-    assert not [t.name for t in batches if any(x.startswith("rlake-batch:") for x in t.tags)]
+    assert not [t.name for t in batches if t.tags]
     # each iteration names the batch it trained on, which the lake confirms
     _, steps = _records(home, "bound")
     trained = {s["step"]: {u.split("/")[1] for u in s["sample_uids"]} for s in steps}
