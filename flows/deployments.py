@@ -127,7 +127,6 @@ def serve_forever(home: str | Path, api_url: str, maintenance_interval: float | 
     that come due meanwhile wait their turn instead of piling up processes. The deployments
     folder is read again every ``rescan_s`` seconds: a deployment recorded (or changed) by
     ``rlake deploy`` meanwhile is registered and served without a restart."""
-
     os.environ["PREFECT_API_URL"] = api_url
     # flow runs execute in subprocesses that import flows/*.py: they need this checkout importable
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))

@@ -144,4 +144,3 @@ def tiny(tmp_path_factory):
         num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
         intermediate_size=64), seed=0)
     return path, load_tokenizer(path)
-
