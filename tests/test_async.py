@@ -156,6 +156,16 @@ def _prefect_runs(api_url, run_id, deadline_s=60.0):
                 return by_flow, batches
 
 
+def _task_runs(api_url, flow_run_ids):
+    from prefect import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        return client.read_task_runs(task_run_filter=TaskRunFilter(
+            flow_run_id=TaskRunFilterFlowRunId(any_=flow_run_ids)))
+
+
 @pytest.fixture(scope="module")
 def async_run(server):
     home, url = server
@@ -189,6 +199,11 @@ def test_rollout_batches_are_prefect_task_runs_linked_to_iterations(async_run):
     # each batch's task run is named after it, untagged (flows.prefetch.untagged)
     assert sorted(t.name for t in batches) == sorted(f"rollout_batch-{i}" for i in range(N_ITER))
     assert not [t.name for t in batches if t.tags]
+    # the task runs of the iterations whose runs were created ahead (all but the first) carry
+    # no tags either: a tagged task run costs a tag-concurrency request (flows.prefetch.untagged)
+    ahead = [f.id for f in iterations if f.parameters["iteration"] > 0]
+    tagged = [(t.name, t.tags) for t in _task_runs(url, ahead) if t.tags]
+    assert not tagged, tagged
     # each iteration names the batch it trained on, which the lake confirms
     _, steps = _records(home, "bound")
     trained = {s["step"]: {u.split("/")[1] for u in s["sample_uids"]} for s in steps}
