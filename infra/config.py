@@ -192,6 +192,10 @@ class TrainerConfig(_Section):
         16384, ge=1, description="log-probs and entropy are computed over this many vocabulary "
                                  "ids at a time, so [batch, tokens, vocab] logits never exist; "
                                  "null: from the model's full logits")
+    share_prompt_forward: bool = Field(
+        True, description="the samples of one prompt run its tokens once in the training "
+                          "forward (same loss and gradient up to rounding; off under "
+                          "recompute_granularity: full)")
 
     @model_validator(mode="after")
     def _kl_once(self) -> TrainerConfig:

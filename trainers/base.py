@@ -63,6 +63,7 @@ class PaddedBatch:
     mask: torch.Tensor             # [B, T] float, 1 on trained response tokens
     rollout_logprobs: torch.Tensor  # [B, T] (0 where the engine reported none)
     has_rollout_logprobs: torch.Tensor  # [B] float, 1 where the engine reported log-probs
+    prompt_len: torch.Tensor       # [B] long, prompt tokens of each row
 
     def _map(self, fn) -> PaddedBatch:
         return PaddedBatch(*(fn(getattr(self, f.name)) for f in fields(self)))
@@ -90,6 +91,7 @@ def pad_batch(batch: TrainBatch, pad_id: int) -> PaddedBatch:
     mask = torch.zeros((n, resp_width))
     rollout_lp = torch.zeros((n, resp_width))
     has_lp = torch.zeros(n)
+    prompt_len = torch.tensor([len(p) for p in batch.prompt_token_ids], dtype=torch.long)
     for i, (prompt, resp, seq) in enumerate(zip(batch.prompt_token_ids, batch.response_token_ids,
                                                 seqs, strict=True)):
         if not prompt:
@@ -108,7 +110,7 @@ def pad_batch(batch: TrainBatch, pad_id: int) -> PaddedBatch:
             rollout_lp[i, :min(r, len(lps))] = torch.tensor(lps[:r], dtype=torch.float32)
             has_lp[i] = 1.0
     return PaddedBatch(input_ids, attention_mask, response_index, response_ids, mask, rollout_lp,
-                       has_lp)
+                       has_lp, prompt_len)
 
 
 @runtime_checkable

@@ -36,6 +36,12 @@ from trainers.critic import (
 from trainers.logprobs import chunked_logprobs, linear_head
 from trainers.losses import micro_weight
 from trainers.reference import load_reference, needs_reference
+from trainers.shared_prompt import (
+    can_share_prompt,
+    prompt_groups,
+    response_hidden_shared,
+    worth_sharing,
+)
 
 STATE_FILE = "trainer_state.pt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -44,31 +50,51 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def response_logprobs(model: torch.nn.Module, pb: PaddedBatch, temperature: float = 1.0,
                       with_entropy: bool = False, entropy_grad: bool = True,
-                      vocab_chunk_size: int | None = None
+                      vocab_chunk_size: int | None = None, share_prompt: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(y_t | x, y_<t) for every response token: log_softmax(logits / T) gathered at y_t.
 
     Returns ([B, T] log-probs, [B, T] entropy or None); the entropy is detached unless
-    ``entropy_grad`` (it only needs a gradient when entropy_coef != 0). With
-    ``vocab_chunk_size`` (and a plain Linear output head) only the response positions' hidden
-    states go through the head, ``vocab_chunk_size`` vocabulary ids at a time
-    (``trainers.logprobs``): no [B, L, V] logits are ever built.
+    ``entropy_grad`` (it only needs a gradient when entropy_coef != 0). With a plain Linear
+    output head only the response positions' hidden states go through it; with
+    ``vocab_chunk_size`` too, ``vocab_chunk_size`` vocabulary ids at a time
+    (``trainers.logprobs``): no [B, L, V] logits are ever built. ``share_prompt``: rows with
+    the same prompt run it once (``trainers.shared_prompt``).
     """
-    head = linear_head(model) if vocab_chunk_size else None
-    if head is not None:
-        hidden = model.base_model(input_ids=pb.input_ids,
-                                  attention_mask=pb.attention_mask).last_hidden_state
-        idx = pb.response_index[..., None].expand(-1, -1, hidden.shape[-1])
-        logp, entropy = chunked_logprobs(hidden.gather(1, idx), head.weight, pb.response_ids,
-                                         temperature, vocab_chunk_size)
-        if not with_entropy:
-            return logp, None
-        return logp, entropy if entropy_grad else entropy.detach()
-    logits = model(input_ids=pb.input_ids, attention_mask=pb.attention_mask).logits
-    idx = pb.response_index[..., None].expand(-1, -1, logits.shape[-1])
-    resp_logits = logits.gather(1, idx) / temperature
+    head = linear_head(model)
+    if head is None:  # the model's own logits, every position
+        logits = model(input_ids=pb.input_ids, attention_mask=pb.attention_mask).logits
+        idx = pb.response_index[..., None].expand(-1, -1, logits.shape[-1])
+        return _logprobs_from_logits(logits.gather(1, idx) / temperature, pb.response_ids,
+                                     with_entropy, entropy_grad)
+    hidden = _response_hidden(model, pb, share_prompt)
+    if not vocab_chunk_size:
+        return _logprobs_from_logits(head(hidden) / temperature, pb.response_ids, with_entropy,
+                                     entropy_grad)
+    logp, entropy = chunked_logprobs(hidden, head.weight, pb.response_ids, temperature,
+                                     vocab_chunk_size)
+    if not with_entropy:
+        return logp, None
+    return logp, entropy if entropy_grad else entropy.detach()
+
+
+def _response_hidden(model: torch.nn.Module, pb: PaddedBatch, share_prompt: bool) -> torch.Tensor:
+    """[B, T, H] final hidden states at the positions predicting the response tokens."""
+    if share_prompt and can_share_prompt(model):
+        groups = prompt_groups(pb.input_ids, pb.prompt_len)
+        if worth_sharing(pb, groups):
+            return response_hidden_shared(model.base_model, pb, groups)
+    hidden = model.base_model(input_ids=pb.input_ids,
+                              attention_mask=pb.attention_mask).last_hidden_state
+    return hidden.gather(1, pb.response_index[..., None].expand(-1, -1, hidden.shape[-1]))
+
+
+def _logprobs_from_logits(resp_logits: torch.Tensor, response_ids: torch.Tensor,
+                          with_entropy: bool, entropy_grad: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log_softmax(z)[y] (and the entropy of softmax(z)) of tempered logits z [B, T, V]."""
     logp = torch.log_softmax(resp_logits.float(), dim=-1)
-    token_logp = logp.gather(-1, pb.response_ids[..., None]).squeeze(-1)
+    token_logp = logp.gather(-1, response_ids[..., None]).squeeze(-1)
     entropy = None
     if with_entropy:
         entropy = alg.entropy_from_logits(resp_logits if entropy_grad else resp_logits.detach())
@@ -128,7 +154,8 @@ class TorchTrainer:
     def _logprobs(self, model: torch.nn.Module, pb: PaddedBatch, **kw):
         with self._compute():
             return response_logprobs(model, pb, self.temperature,
-                                     vocab_chunk_size=self.cfg.vocab_chunk_size, **kw)
+                                     vocab_chunk_size=self.cfg.vocab_chunk_size,
+                                     share_prompt=self.cfg.share_prompt_forward, **kw)
 
     def _make_optimizer(self, lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=self.cfg.weight_decay,

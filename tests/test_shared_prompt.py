@@ -1,0 +1,101 @@
+"""The shared-prompt training forward equals the plain one (values, gradients, a whole train
+call) and really runs each group's prompt once."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from infra.modeling import load_model
+from tests.trainer_fixtures import VOCAB_HI, VOCAB_LO, build_model, params, trainer
+from trainers.base import TrainBatch, pad_batch
+from trainers.shared_prompt import can_share_prompt, prompt_groups, worth_sharing
+from trainers.torch_trainer import response_logprobs
+
+torch.set_num_threads(1)
+
+
+def grouped_batch(groups: int = 4, per_prompt: int = 4, seed: int = 0) -> TrainBatch:
+    """GRPO-shaped: ``groups`` prompts of different lengths, ``per_prompt`` responses each (one
+    of them empty), rewards 0/1."""
+    rng = random.Random(seed)
+    prompts, responses = [], []
+    for g in range(groups):
+        prompt = [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(3 + 2 * g)]
+        for j in range(per_prompt):
+            prompts.append(prompt)
+            length = 0 if (g, j) == (1, 2) else rng.randint(1, 6)
+            responses.append([rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(length)])
+    n = len(prompts)
+    return TrainBatch(
+        sample_uids=[f"s/{i}" for i in range(n)], prompt_token_ids=prompts,
+        response_token_ids=responses, loss_mask=[[1] * len(r) for r in responses],
+        rollout_logprobs=[[] for _ in range(n)], rewards=[float(rng.random() < 0.5) for _ in range(n)],
+        group_keys=[f"g{i // per_prompt}" for i in range(n)], weight_versions=[0] * n)
+
+
+def test_prompt_groups_are_runs_of_equal_prompts():
+    ids = torch.tensor([[5, 6, 7, 0], [5, 6, 7, 9], [5, 6, 0, 0], [5, 6, 7, 1], [5, 6, 7, 1]])
+    prompt_len = torch.tensor([3, 3, 2, 3, 3])
+    # rows 0-1: same prompt (response tokens differ); row 2: a prefix of it, another prompt;
+    # rows 3-4: the first prompt again, but not next to rows 0-1: a new group
+    assert prompt_groups(ids, prompt_len).tolist() == [0, 0, 1, 2, 2]
+
+
+def test_distinct_prompts_are_not_shared():
+    pb = pad_batch(grouped_batch(groups=4, per_prompt=1), 0)
+    assert not worth_sharing(pb, prompt_groups(pb.input_ids, pb.prompt_len))
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_shared_equals_plain_values_and_gradients(tmp_path, chunk):
+    model = load_model(build_model(tmp_path))
+    pb = pad_batch(grouped_batch(), 0)
+    assert can_share_prompt(model) and worth_sharing(pb, prompt_groups(pb.input_ids, pb.prompt_len))
+    weights = torch.randn(pb.mask.shape, generator=torch.Generator().manual_seed(0))
+    out = {}
+    for share in (False, True):
+        model.zero_grad(set_to_none=True)
+        logp, ent = response_logprobs(model, pb, 0.8, with_entropy=True, vocab_chunk_size=chunk,
+                                      share_prompt=share)
+        ((weights * logp * pb.mask).sum() + 0.3 * (ent * pb.mask).sum()).backward()
+        out[share] = (logp.detach() * pb.mask, ent.detach() * pb.mask,
+                      [p.grad.clone() for p in model.parameters()])
+    torch.testing.assert_close(out[True][0], out[False][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[True][1], out[False][1], atol=1e-5, rtol=0)
+    for got, want in zip(out[True][2], out[False][2], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_each_prompt_runs_once(tmp_path):
+    """The token embedding sees U x P + B x R positions, not B x (P + R)."""
+    model = load_model(build_model(tmp_path))
+    pb = pad_batch(grouped_batch(groups=4, per_prompt=4), 0)
+    seen = []
+    model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
+    response_logprobs(model, pb, share_prompt=True)
+    assert seen == [4 * int(pb.prompt_len.max()), 16 * pb.response_ids.shape[1]]
+    seen.clear()
+    response_logprobs(model, pb, share_prompt=False)
+    assert seen == [pb.input_ids.numel()]
+
+
+def test_train_call_is_the_same_with_and_without_sharing(tmp_path):
+    """One GRPO train call (old log-probs from the grad pass) moves the weights the same way."""
+    path = build_model(tmp_path)
+    batch = grouped_batch(seed=1)
+    results = {}
+    for share in (False, True):
+        tr = trainer(path, 4, share_prompt_forward=share)
+        metrics = tr.train(batch)
+        results[share] = (metrics, params(tr.model))
+    assert results[True][0]["pg_loss"] == pytest.approx(results[False][0]["pg_loss"], abs=1e-6)
+    for name, want in results[False][1].items():
+        torch.testing.assert_close(results[True][1][name], want, atol=1e-6, rtol=1e-5)
+
+
+def test_not_shared_under_activation_checkpointing(tmp_path):
+    tr = trainer(build_model(tmp_path), 4, recompute_granularity="full")
+    assert not can_share_prompt(tr.model)
