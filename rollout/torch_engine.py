@@ -7,6 +7,8 @@ the sampling distribution (log softmax of logits / temperature), and the finish 
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 from transformers import DynamicCache
 
@@ -56,6 +58,20 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
         ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
         mask[i, width - len(p):] = 1
     return ids, mask
+
+
+def prompt_runs(prompts: list[list[int]]) -> list[int] | None:
+    """Row i's index among the distinct prompts, consecutive equal prompts sharing one
+    (0, 0, .., 1, ..); None when no two consecutive rows share a prompt."""
+    groups = [0]
+    for prev, prompt in pairwise(prompts):
+        groups.append(groups[-1] + (prompt != prev))
+    return groups if groups[-1] + 1 < len(prompts) else None
+
+
+def run_starts(groups: list[int]) -> list[int]:
+    """The first row of each run in ``groups``."""
+    return [i for i, g in enumerate(groups) if i == 0 or g != groups[i - 1]]
 
 
 class TorchEngine:
@@ -124,12 +140,22 @@ class TorchEngine:
 
     def _generate_batch(self, prompts: list[list[int]], sp: SamplingParams) -> list[GenerationResult]:
         dev = self.device
-        ids, mask = (t.to(dev) for t in left_pad(prompts, self.pad_token_id))
-        batch, width = ids.shape
+        batch = len(prompts)
+        # a prompt's n samples share its prefill (a graphed step has a fixed batch: no sharing)
+        groups = None if self.cuda_graph else prompt_runs(prompts)
+        distinct = [prompts[i] for i in run_starts(groups)] if groups else prompts
+        ids, mask = (t.to(dev) for t in left_pad(distinct, self.pad_token_id))
+        width = ids.shape[1]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        key_valid = torch.ones((batch, width + sp.max_new_tokens), dtype=torch.bool, device=dev)
+        key_valid = torch.ones((len(distinct), width + sp.max_new_tokens), dtype=torch.bool,
+                               device=dev)
         key_valid[:, :width] = mask.bool()
-        step = self._stepper(batch, width + sp.max_new_tokens)
+        step = self._stepper(len(distinct), width + sp.max_new_tokens)
+        logits = step.forward(ids, positions, key_valid, 0)
+        if groups:
+            rows_of = torch.tensor(groups, device=dev)
+            step.expand(rows_of)
+            logits, positions, key_valid = logits[rows_of], positions[rows_of], key_valid[rows_of]
         stop_ids = torch.tensor(sorted({self.eos_token_id, *sp.stop_token_ids}), dtype=torch.long,
                                 device=dev)
         out_tokens = torch.full((batch, sp.max_new_tokens), self.pad_token_id, dtype=torch.long,
@@ -139,9 +165,8 @@ class TorchEngine:
         stopped = torch.zeros(batch, dtype=torch.bool, device=dev)
         rows = torch.arange(batch, device=dev)  # original row of each row still decoding
         done = torch.zeros(batch, dtype=torch.bool, device=dev)  # finished, not yet compacted
-        step_ids, step_pos, start = ids, positions, 0
+        step_pos, start = positions[:, -1:], width
         for t in range(sp.max_new_tokens):
-            logits = step.forward(step_ids, step_pos, key_valid, start)
             token, logp = sample_next_token(logits, sp.temperature, sp.top_p, sp.top_k, self.generator)
             token = torch.where(done, torch.full_like(token, self.pad_token_id), token)
             # rows are distinct: plain index writes, no boolean-mask gathers (host syncs on GPU);
@@ -153,14 +178,15 @@ class TorchEngine:
             stopped[rows] = stopped[rows] | hit_stop
             done |= hit_stop
             n_done = int(done.sum())
-            if n_done == len(rows):
+            if n_done == len(rows) or t + 1 == sp.max_new_tokens:
                 break
-            start += step_ids.shape[1]
-            step_ids, step_pos = token[:, None], step_pos[:, -1:] + 1
+            step_ids, step_pos = token[:, None], step_pos + 1
             if n_done and should_compact(n_done, len(rows)) and step.compact(~done):
                 keep = ~done
                 rows, step_ids, step_pos = rows[keep], step_ids[keep], step_pos[keep]
                 key_valid, done = key_valid[keep], done[keep]
+            logits = step.forward(step_ids, step_pos, key_valid, start)
+            start += 1
         lengths, stopped = lengths.tolist(), stopped.tolist()
         tokens, logps = out_tokens.tolist(), out_logps.tolist()
         return [GenerationResult(token_ids=tokens[i][:lengths[i]], logprobs=logps[i][:lengths[i]],
@@ -204,6 +230,10 @@ class _FastStep:
         self.cache = (self.cache[0][:, keep], self.cache[1][:, keep])
         return True
 
+    def expand(self, rows: torch.Tensor) -> None:
+        """Row i of the cache becomes row ``rows[i]`` of the current one (prefill sharing)."""
+        self.cache = (self.cache[0][:, rows], self.cache[1][:, rows])
+
 
 class _GraphStep:
     """Decode steps replayed from a captured graph; rows are never compacted (fixed shapes)."""
@@ -221,6 +251,9 @@ class _GraphStep:
     def compact(self, keep: torch.Tensor) -> bool:
         return False
 
+    def expand(self, rows: torch.Tensor) -> None:
+        raise NotImplementedError("a graphed decode step has a fixed batch")
+
 
 class _HFStep:
     """Decode steps through HF's forward with a DynamicCache (models the fast decoder does not
@@ -236,3 +269,6 @@ class _HFStep:
 
     def compact(self, keep: torch.Tensor) -> bool:
         return False
+
+    def expand(self, rows: torch.Tensor) -> None:
+        self.cache.reorder_cache(rows)

@@ -9,7 +9,7 @@ from infra.config import TinyModelConfig
 from infra.modeling import build_tiny_model, load_model, load_tokenizer
 from rollout.engine import SamplingParams
 from rollout.fast_decoder import FastDecoder
-from rollout.torch_engine import TorchEngine, sample_next_token
+from rollout.torch_engine import TorchEngine, prompt_runs, run_starts, sample_next_token
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +92,38 @@ def test_same_seed_same_samples(tiny):
     a = TorchEngine(str(path), -1, tok.pad_token_id).generate(prompts, sp)
     b = TorchEngine(str(path), -1, tok.pad_token_id).generate(prompts, sp)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+def test_prompt_runs_group_consecutive_equal_prompts():
+    a, b = [1, 5, 6], [1, 5]
+    assert prompt_runs([a, a, b, b, b, a]) == [0, 0, 1, 1, 1, 2]
+    assert run_starts([0, 0, 1, 1, 1, 2]) == [0, 2, 5]
+    assert prompt_runs([a, b, a]) is None  # nothing to share
+
+
+@pytest.mark.parametrize("hf_step", [False, True])
+def test_shared_prefill_gives_every_sample_its_own_correct_logprobs(tiny, hf_step):
+    """Groups of equal prompts (of different lengths) are prefilled once and then sampled row by
+    row: each row's tokens differ from its group mates' and its log-probs are the HF model's.
+    ``hf_step``: the same through HF's forward (models the fast decoder does not cover)."""
+    path, tok = tiny
+    engine = TorchEngine(str(path), eos_token_id=-1, pad_token_id=tok.pad_token_id, seed=0)
+    if hf_step:
+        engine.fast = None
+    groups = [[tok.bos_token_id, *tok(p, add_special_tokens=False)["input_ids"]]
+              for p in ["37+48=", "5+6=", "123+4="]]
+    prompts = [p for p in groups for _ in range(4)]
+    prefill_rows = []
+    if not hf_step:
+        forward = engine.fast.forward
+        engine.fast.forward = lambda ids, *a: prefill_rows.append(ids.shape) or forward(ids, *a)
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=1.0))
+    if not hf_step:
+        assert prefill_rows[0] == (3, len(groups[2]))  # one row per distinct prompt
+        assert all(shape == (12, 1) for shape in prefill_rows[1:])
+    model = load_model(path)
+    for prompt, res in zip(prompts, results, strict=True):
+        ref = hf_logprobs(model, prompt, res.token_ids)
+        assert max(abs(a - b) for a, b in zip(ref, res.logprobs, strict=True)) < 1e-5
+    for g in range(3):
+        assert len({tuple(r.token_ids) for r in results[4 * g:4 * g + 4]}) > 1
