@@ -35,8 +35,16 @@ def can_share_prompt(model: torch.nn.Module) -> bool:
     config = getattr(model, "config", None)
     layer_types = getattr(config, "layer_types", None) or ["full_attention"]
     return (config is not None and getattr(model, "base_model", model) is not model
-            and not getattr(model, "is_gradient_checkpointing", False)
+            and not _checkpointing(model)
             and all(t == "full_attention" for t in layer_types))
+
+
+def _checkpointing(model: torch.nn.Module) -> bool:
+    """HF's activation-checkpointing flag (``is_gradient_checkpointing`` before transformers 5)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
 
 
 def prompt_groups(input_ids: torch.Tensor, prompt_len: torch.Tensor) -> torch.Tensor:
