@@ -11,6 +11,7 @@ checkpoints.
 from __future__ import annotations
 
 import fcntl
+import os
 import queue
 import threading
 import time
@@ -20,13 +21,47 @@ from pathlib import Path
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
+from infra import db_template
+
 EXPERIMENT = "rlake"
 BATCH_LIMIT = 1000  # MLflow's log_batch takes at most 1000 metrics per call
 RETRIES = 2  # as the log_metrics task had
 
 
 def tracking_uri(home: str | Path) -> str:
-    return f"sqlite:///{(Path(home).resolve() / 'mlflow' / 'mlflow.db')}"
+    return f"sqlite:///{tracking_db(home)}"
+
+
+def tracking_db(home: str | Path) -> Path:
+    return Path(home).resolve() / "mlflow" / "mlflow.db"
+
+
+def seed_tracking_db(db: Path) -> bool:
+    """Give a fresh home's MLflow database a copy of an empty migrated one from rlake's cache
+    (``infra.db_template``), built there once per MLflow version: MLflow's own migrations take
+    ~2 s of every fresh home's start (measured 2026-11-24). MLflow then adds its Default
+    experiment itself, with this home's paths. True when copied; ``RLAKE_MLFLOW_DB_TEMPLATE=0``
+    turns it off."""
+    if os.environ.get("RLAKE_MLFLOW_DB_TEMPLATE", "1") == "0" or db.exists():
+        return False
+    template = db_template.template_path("mlflow-db", ("mlflow-skinny", "alembic"))
+    try:
+        db_template.write_once(template, _migrated_db, wait=True)
+    except Exception:  # noqa: BLE001 - MLflow builds the database itself, and says what fails
+        return False
+    return db_template.copy_in(template, db)
+
+
+def _migrated_db(path: Path) -> None:
+    """An empty MLflow tracking database at ``path``: its tables at the newest migration."""
+    from mlflow.store.db.utils import _initialize_tables
+    from sqlalchemy import create_engine
+
+    engine = create_engine(f"sqlite:///{path}")
+    try:
+        _initialize_tables(engine)
+    finally:
+        engine.dispose()
 
 
 class _Sender:
@@ -106,6 +141,7 @@ class Tracker:
         # fresh home must not both do it (`table ... already exists`)
         with open(root / ".create.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            seed_tracking_db(tracking_db(home))
             self.client = MlflowClient(tracking_uri=self.uri)
             exp = self.client.get_experiment_by_name(EXPERIMENT)
             self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(

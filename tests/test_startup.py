@@ -159,10 +159,11 @@ def test_resume_of_an_unknown_run_is_one_line(tmp_path):
     assert not (tmp_path / "home" / "prefect" / "prefect.db").exists()
 
 
-def test_a_fresh_home_starts_from_the_cached_prefect_database(tmp_path):
+def test_a_fresh_home_starts_from_the_cached_databases(tmp_path):
     """The first run on a machine (an empty cache) leaves its Prefect database as the template
-    (infra/prefect_db.py); the next fresh home gets a copy of it (seen by a marker table put
-    into the template) and its runs are recorded there as usual."""
+    (infra/prefect_db.py) and builds an empty MLflow one there (infra/tracking.py); the next
+    fresh home gets copies of both (seen by marker tables put into the templates) and its run
+    is recorded in them as usual."""
     from infra.prefect_db import template_path
 
     cache = tmp_path / "cache"
@@ -180,10 +181,20 @@ def test_a_fresh_home_starts_from_the_cached_prefect_database(tmp_path):
     con.execute("CREATE TABLE rlake_marker (x INTEGER)")
     con.commit()
     con.close()
+    (mlflow_template,) = (cache / "mlflow-db").glob("*.db")
+    with sqlite3.connect(mlflow_template) as con:  # migrated, and empty: no home's experiment
+        assert con.execute("SELECT version_num FROM alembic_version").fetchone()
+        assert con.execute("SELECT count(*) FROM experiments").fetchone()[0] == 0
+        con.execute("CREATE TABLE rlake_marker (x INTEGER)")
     second = rlake(_args(tmp_path / "home2", "second"), env, tmp_path / "second.log")
     assert second.returncode == 0, tail(tmp_path / "second.log")
-    with sqlite3.connect(tmp_path / "home2" / "prefect" / "prefect.db") as con:
-        assert con.execute("SELECT name FROM sqlite_master WHERE name = 'rlake_marker'").fetchone()
+    for db in ("prefect/prefect.db", "mlflow/mlflow.db"):
+        with sqlite3.connect(tmp_path / "home2" / db) as con:
+            assert con.execute("SELECT name FROM sqlite_master WHERE name = 'rlake_marker'"
+                               ).fetchone(), db
+    with sqlite3.connect(tmp_path / "home2" / "mlflow" / "mlflow.db") as con:
+        assert con.execute("SELECT count(*) FROM runs WHERE name = 'second'").fetchone()[0] == 1
+        assert con.execute("SELECT count(*) FROM metrics").fetchone()[0] > 0
     states = _flow_run_states(tmp_path / "home2")
     assert states and {s for _, s in states} == {"COMPLETED"}, states
     assert template_path().parent != cache / "prefect-db"  # this process's cache is the session's
