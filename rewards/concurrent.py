@@ -23,7 +23,8 @@ class Outcome:
     error: str | None = None
 
 
-def _run(call: Callable[[], Any]) -> Outcome:
+def run_call(call: Callable[[], Any]) -> Outcome:
+    """``call()`` as an ``Outcome``: its value, or its exception as ``Type: message``."""
     try:
         return Outcome(True, call())
     except BaseException as err:  # noqa: BLE001 - any user error is an outcome
@@ -51,7 +52,7 @@ def run_concurrently(calls: list[Callable[[], Any]], timeout_s: float,
                 i = state["next"]
                 state["next"] += 1
                 running[i] = (time.monotonic(), wid)
-            out = _run(calls[i])
+            out = run_call(calls[i])
             with cond:
                 if results[i] is None:
                     results[i] = out

@@ -10,8 +10,10 @@ with ``<name>``; no box scores 0). A sample's ``metadata["rm_type"]`` overrides 
 marks that sample ``failed`` with the reason in ``reward_detail["error"]``. A ``custom_rm_path``
 function runs in worker processes (``rewards.workers``: a call past ``reward_timeout_s`` is killed
 with its worker); the built-in rewards are bounded-time code of ours (no exponents, inputs capped
-in length) and the remote one has its own HTTP timeout, so they run in threads, where a call costs
-no pickling and no process hop.
+in length), so they run inline, one after another (256 ``addition`` samples: 0.15 ms inline,
+~10 ms handed to threads); the remote one has its own HTTP timeout and runs in threads, which
+wait on the network together; a function added with ``register`` runs in threads too, under
+``reward_timeout_s``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
-from rewards.concurrent import Outcome, run_concurrently
+from rewards.concurrent import Outcome, run_call, run_concurrently
 from rewards.math import last_boxed, math_reward
 from rewards.remote import remote_reward
 from rewards.tasks import countdown_reward
@@ -55,8 +57,20 @@ REGISTRY: dict[str, RewardFn] = {
 }
 
 
+# ours, bounded in time: run inline (a name re-registered with another function is not)
+BOUNDED: dict[str, RewardFn] = dict(REGISTRY)
+
+
 def register(name: str, fn: RewardFn) -> None:
     REGISTRY[name] = fn
+
+
+def bounded(rm_type: str) -> bool:
+    """Whether ``rm_type`` is one of our built-in rewards (``boxed_`` of one included)."""
+    name = rm_type
+    while name.startswith("boxed_"):
+        name = name.removeprefix("boxed_")
+    return name in BOUNDED and REGISTRY.get(name) is BOUNDED[name]
 
 
 def _boxed(inner: RewardFn, response: str, label: str | None, metadata: dict) -> float | dict:
@@ -123,12 +137,22 @@ class Scorer:
         """Whether ``sample`` goes to the custom function (in a worker process)."""
         return self.workers is not None and not sample.metadata.get("rm_type")
 
+    def inline(self, sample: Sample) -> bool:
+        """Whether ``sample``'s reward is a built-in one (``bounded``): scored in this thread."""
+        override = sample.metadata.get("rm_type")
+        if override:
+            return bounded(str(override))
+        return self._custom is None and bounded(self.rm_type)
+
     def outcomes(self, samples: list[Sample], timeout_s: float, max_workers: int) -> list[Outcome]:
-        """One ``Outcome`` per sample: custom-function calls in worker processes, the rest
-        (built-in and remote rewards) in threads."""
+        """One ``Outcome`` per sample: custom-function calls in worker processes, built-in
+        rewards inline, the rest (remote, registered) in threads."""
         far = [i for i, s in enumerate(samples) if self.in_worker(s)]
-        near = [i for i, s in enumerate(samples) if not self.in_worker(s)]
+        here = [i for i, s in enumerate(samples) if not self.in_worker(s) and self.inline(s)]
+        near = [i for i, s in enumerate(samples) if not self.in_worker(s) and not self.inline(s)]
         out: list[Outcome] = [Outcome(False, error="not run")] * len(samples)
+        for i in here:
+            out[i] = run_call(partial(self, samples[i]))
         for i, o in zip(near, run_concurrently([partial(self, samples[i]) for i in near], timeout_s,
                                                max_workers), strict=True):
             out[i] = o

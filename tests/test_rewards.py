@@ -10,9 +10,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from rewards import registry
 from rewards.concurrent import run_concurrently
 from rewards.math import answers_equal, extract_answer, last_boxed, normalize_answer
-from rewards.registry import Scorer, get_reward_fn, score_samples
+from rewards.registry import Scorer, bounded, get_reward_fn, score_samples
 from rewards.tasks import countdown_problems, countdown_reward, evaluate_expression, load_task
 from rewards.text import f1_score
 from rollout.sample import Sample, Status
@@ -138,6 +139,37 @@ def test_hung_reward_times_out_and_others_still_score():
     assert failed == 1
     assert samples[0].reward_detail["error"] == "timed out after 0.3s"
     assert [s.reward for s in samples[1:]] == [1.0] * 5
+
+
+def test_built_in_rewards_run_inline_registered_ones_in_threads(monkeypatch):
+    """Ours (bounded in time) score in the calling thread; a function registered under a name,
+    even a built-in one, runs in a worker thread under the time limit."""
+    assert bounded("addition") and bounded("boxed_math") and not bounded("remote")
+    seen = []
+
+    def slow(response, label, metadata):
+        seen.append(threading.current_thread().name)
+        time.sleep(5 if response == "hang" else 0)
+        return 1.0
+
+    samples = [_sample("7", "7"), _sample("The answer is 0.5", "1/2", rm_type="math")]
+    assert score_samples(samples, Scorer(rm_type="addition")) == 0
+    assert [s.reward for s in samples] == [1.0, 1.0]
+    monkeypatch.setitem(registry.REGISTRY, "exact", slow)
+    assert not bounded("exact") and not bounded("boxed_exact")
+    hung = [_sample("hang"), _sample("ok")]
+    assert score_samples(hung, Scorer(rm_type="exact"), timeout_s=0.3) == 1
+    assert hung[0].reward_detail["error"] == "timed out after 0.3s" and hung[1].reward == 1.0
+    assert seen and all(name.startswith("rlake-reward-") for name in seen)
+
+
+def test_a_raising_built_in_reward_fails_only_its_sample(monkeypatch):
+    scorer = Scorer(rm_type="addition")
+    monkeypatch.setattr(scorer, "_resolve", lambda rm_type: lambda s: int(s.response))
+    samples = [_sample("12"), _sample("twelve")]
+    assert score_samples(samples, scorer) == 1
+    assert samples[0].reward == 12.0 and samples[1].status == Status.FAILED
+    assert samples[1].reward_detail["error"].startswith("ValueError: invalid literal")
 
 
 def test_run_concurrently_order_and_errors():
