@@ -31,11 +31,14 @@ MIN_SAVING = 0.2
 def can_share_prompt(model: torch.nn.Module) -> bool:
     """A causal LM whose decoder takes a ``DynamicCache`` (HF ``base_model``), every layer full
     attention (a sliding window would crop the shared keys), and no activation checkpointing
-    (HF turns the cache off under it)."""
+    (HF turns the cache off under it). Not on CUDA under deterministic algorithms: the shared
+    rows' gradients are summed with ``index_add_``, which CUDA does not promise to order."""
     config = getattr(model, "config", None)
     layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    on_cuda = any(p.is_cuda for p in model.parameters())
     return (config is not None and getattr(model, "base_model", model) is not model
             and not _checkpointing(model)
+            and not (on_cuda and torch.are_deterministic_algorithms_enabled())
             and all(t == "full_attention" for t in layer_types))
 
 
