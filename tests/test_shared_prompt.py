@@ -11,6 +11,7 @@ import torch
 from infra.modeling import load_model
 from tests.trainer_fixtures import VOCAB_HI, VOCAB_LO, build_model, params, trainer
 from trainers.base import TrainBatch, pad_batch
+from trainers.critic import ValueModel, response_values
 from trainers.shared_prompt import can_share_prompt, prompt_groups, worth_sharing
 from trainers.torch_trainer import response_logprobs
 
@@ -69,6 +70,22 @@ def test_shared_equals_plain_values_and_gradients(tmp_path, chunk):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
+def test_critic_values_shared_equal_plain_values_and_gradients(tmp_path):
+    model = load_model(build_model(tmp_path))
+    critic = ValueModel.from_policy(model)
+    torch.nn.init.normal_(critic.value_head.weight, generator=torch.Generator().manual_seed(1))
+    pb = pad_batch(grouped_batch(), 0)
+    out = {}
+    for share in (False, True):
+        critic.zero_grad(set_to_none=True)
+        values = response_values(critic, pb, share)
+        (values * pb.mask).pow(2).sum().backward()
+        out[share] = (values.detach() * pb.mask, [p.grad.clone() for p in critic.parameters()])
+    torch.testing.assert_close(out[True][0], out[False][0], atol=1e-5, rtol=0)
+    for got, want in zip(out[True][1], out[False][1], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_each_prompt_runs_once(tmp_path):
     """The token embedding sees U x P + B x R positions, not B x (P + R)."""
     model = load_model(build_model(tmp_path))
@@ -82,20 +99,33 @@ def test_each_prompt_runs_once(tmp_path):
     assert seen == [pb.input_ids.numel()]
 
 
-def test_train_call_is_the_same_with_and_without_sharing(tmp_path):
-    """One GRPO train call (old log-probs from the grad pass) moves the weights the same way."""
+@pytest.mark.parametrize("overrides", [{}, {"advantage_estimator": "ppo"},
+                                       {"use_kl_loss": True, "kl_loss_coef": 0.1}])
+def test_train_call_is_the_same_with_and_without_sharing(tmp_path, overrides):
+    """One train call moves the weights the same way (within AdamW's rounding amplification):
+    GRPO (old log-probs from the grad pass),
+    PPO (the critic's values shared too), KL to the reference (its log-probs shared too)."""
     path = build_model(tmp_path)
     batch = grouped_batch(seed=1)
     results = {}
     for share in (False, True):
-        tr = trainer(path, 4, share_prompt_forward=share)
+        tr = trainer(path, 4, share_prompt_forward=share, **overrides)
         metrics = tr.train(batch)
-        results[share] = (metrics, params(tr.model))
-    assert results[True][0]["pg_loss"] == pytest.approx(results[False][0]["pg_loss"], abs=1e-6)
-    for name, want in results[False][1].items():
-        torch.testing.assert_close(results[True][1][name], want, atol=1e-6, rtol=1e-5)
+        results[share] = (metrics, params(tr.model),
+                          params(tr.critic) if tr.critic is not None else {})
+    for key in ("pg_loss", "value_loss", "kl_loss"):
+        if key in results[False][0]:
+            assert results[True][0][key] == pytest.approx(results[False][0][key], abs=1e-6), key
+    # AdamW's first step is ~ lr * g / |g| per element (lr 1e-2): rounding in a near-zero
+    # gradient moves that element by up to ~1e-5, not a difference in the math
+    for part in (1, 2):
+        for name, want in results[False][part].items():
+            torch.testing.assert_close(results[True][part][name], want, atol=1e-5, rtol=1e-5)
+    if overrides.get("advantage_estimator") == "ppo":
+        assert results[True][2]  # the critic was trained and compared
 
 
 def test_not_shared_under_activation_checkpointing(tmp_path):
-    tr = trainer(build_model(tmp_path), 4, recompute_granularity="full")
+    tr = trainer(build_model(tmp_path), 4, recompute_granularity="full", advantage_estimator="ppo")
     assert not can_share_prompt(tr.model)
+    assert not can_share_prompt(tr._ensure_critic().backbone)

@@ -216,8 +216,7 @@ def test_save_load_round_trip_with_critic(model_dir, tmp_path):
     torch.testing.assert_close(logprobs(other, batch), logprobs(tr, batch), atol=0, rtol=0)
     with torch.no_grad():
         torch.testing.assert_close(
-            response_values(other.critic, pb.input_ids, pb.attention_mask, pb.response_index),
-            response_values(tr.critic, pb.input_ids, pb.attention_mask, pb.response_index),
+            response_values(other.critic, pb), response_values(tr.critic, pb),
             atol=0, rtol=0)
     # the optimizers' states came back too: one more identical step gives identical weights
     tr.train(batch)

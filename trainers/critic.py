@@ -19,6 +19,8 @@ import torch
 from transformers import AutoModel
 
 from infra.modeling import attention_for
+from trainers.base import PaddedBatch
+from trainers.shared_prompt import response_hidden
 
 CRITIC_FILE = "critic.pt"
 
@@ -56,10 +58,13 @@ class ValueModel(torch.nn.Module):
         return self.value_head(hidden.float()).squeeze(-1)
 
 
-def response_values(critic: ValueModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    response_index: torch.Tensor) -> torch.Tensor:
-    """V[b, t] = critic(x)[b, response_index[b, t]] -> [B, T]."""
-    return critic(input_ids, attention_mask).gather(1, response_index)
+def response_values(critic: ValueModel, pb: PaddedBatch, share_prompt: bool = False
+                    ) -> torch.Tensor:
+    """V[b, t] = critic(x)[b, response_index[b, t]] -> [B, T]: the value head on the hidden
+    states predicting the response tokens (each prompt run once with ``share_prompt``:
+    ``trainers.shared_prompt``)."""
+    hidden = response_hidden(critic.backbone, pb, share_prompt)
+    return critic.value_head(hidden.float()).squeeze(-1)
 
 
 def make_critic_optimizer(critic: ValueModel, lr: float, weight_decay: float,

@@ -29,17 +29,32 @@ MIN_SAVING = 0.2
 
 
 def can_share_prompt(model: torch.nn.Module) -> bool:
-    """A causal LM whose decoder takes a ``DynamicCache`` (HF ``base_model``), every layer full
-    attention (a sliding window would crop the shared keys), and no activation checkpointing
-    (HF turns the cache off under it). Not on CUDA under deterministic algorithms: the shared
-    rows' gradients are summed with ``index_add_``, which CUDA does not promise to order."""
-    config = getattr(model, "config", None)
+    """A model whose decoder (``model.base_model``: the model itself for an HF base model)
+    takes a ``DynamicCache``, every layer full attention (a sliding window would crop the
+    shared keys), and no activation checkpointing (HF turns the cache off under it). Not on
+    CUDA under deterministic algorithms: the shared rows' gradients are summed with
+    ``index_add_``, which CUDA does not promise to order."""
+    decoder = getattr(model, "base_model", None)
+    config = getattr(decoder, "config", None)
+    if config is None:
+        return False
     layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    on_cuda = any(p.is_cuda for p in model.parameters())
-    return (config is not None and getattr(model, "base_model", model) is not model
-            and not _checkpointing(model)
+    on_cuda = any(p.is_cuda for p in decoder.parameters())
+    return (not _checkpointing(decoder)
             and not (on_cuda and torch.are_deterministic_algorithms_enabled())
             and all(t == "full_attention" for t in layer_types))
+
+
+def response_hidden(decoder: torch.nn.Module, pb: PaddedBatch, share_prompt: bool) -> torch.Tensor:
+    """[B, T, H] final hidden states of ``decoder`` (an HF base model) at the positions
+    predicting the response tokens: each prompt run once when ``share_prompt`` and it pays
+    (``worth_sharing``), else the plain forward gathered at ``response_index``."""
+    if share_prompt and can_share_prompt(decoder):
+        groups = prompt_groups(pb.input_ids, pb.prompt_len)
+        if worth_sharing(pb, groups):
+            return response_hidden_shared(decoder, pb, groups)
+    hidden = decoder(input_ids=pb.input_ids, attention_mask=pb.attention_mask).last_hidden_state
+    return hidden.gather(1, pb.response_index[..., None].expand(-1, -1, hidden.shape[-1]))
 
 
 def _checkpointing(model: torch.nn.Module) -> bool:

@@ -36,12 +36,7 @@ from trainers.critic import (
 from trainers.logprobs import chunked_logprobs, linear_head
 from trainers.losses import micro_weight
 from trainers.reference import load_reference, needs_reference
-from trainers.shared_prompt import (
-    can_share_prompt,
-    prompt_groups,
-    response_hidden_shared,
-    worth_sharing,
-)
+from trainers.shared_prompt import response_hidden
 
 STATE_FILE = "trainer_state.pt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -67,7 +62,7 @@ def response_logprobs(model: torch.nn.Module, pb: PaddedBatch, temperature: floa
         idx = pb.response_index[..., None].expand(-1, -1, logits.shape[-1])
         return _logprobs_from_logits(logits.gather(1, idx) / temperature, pb.response_ids,
                                      with_entropy, entropy_grad)
-    hidden = _response_hidden(model, pb, share_prompt)
+    hidden = response_hidden(model.base_model, pb, share_prompt)
     if not vocab_chunk_size:
         return _logprobs_from_logits(head(hidden) / temperature, pb.response_ids, with_entropy,
                                      entropy_grad)
@@ -76,17 +71,6 @@ def response_logprobs(model: torch.nn.Module, pb: PaddedBatch, temperature: floa
     if not with_entropy:
         return logp, None
     return logp, entropy if entropy_grad else entropy.detach()
-
-
-def _response_hidden(model: torch.nn.Module, pb: PaddedBatch, share_prompt: bool) -> torch.Tensor:
-    """[B, T, H] final hidden states at the positions predicting the response tokens."""
-    if share_prompt and can_share_prompt(model):
-        groups = prompt_groups(pb.input_ids, pb.prompt_len)
-        if worth_sharing(pb, groups):
-            return response_hidden_shared(model.base_model, pb, groups)
-    hidden = model.base_model(input_ids=pb.input_ids,
-                              attention_mask=pb.attention_mask).last_hidden_state
-    return hidden.gather(1, pb.response_index[..., None].expand(-1, -1, hidden.shape[-1]))
 
 
 def _logprobs_from_logits(resp_logits: torch.Tensor, response_ids: torch.Tensor,
@@ -263,7 +247,7 @@ class TorchTrainer:
 
     def _values(self, critic: ValueModel, pb: PaddedBatch) -> torch.Tensor:
         with self._compute():
-            return response_values(critic, pb.input_ids, pb.attention_mask, pb.response_index)
+            return response_values(critic, pb, self.cfg.share_prompt_forward)
 
     def _prepare_sft(self, pb: PaddedBatch, rewards: torch.Tensor) -> Prepared:
         """SFT on the rollout responses; with ``sft_min_reward`` only samples whose reward
