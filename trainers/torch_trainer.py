@@ -85,6 +85,16 @@ def _logprobs_from_logits(resp_logits: torch.Tensor, response_ids: torch.Tensor,
     return token_logp, entropy
 
 
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute every decoder layer in the backward (non-reentrant); transformers 5 renamed
+    ``gradient_checkpointing_enable`` (now deprecated) to ``activation_checkpointing_enable``."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
@@ -126,8 +136,7 @@ class TorchTrainer:
         model = load_model(path, self.device, "fp32").train()
         if self.cfg.recompute_granularity == "full":
             model.config.use_cache = False
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model)
         return model
 
     def _compute(self) -> torch.autocast:
@@ -175,8 +184,7 @@ class TorchTrainer:
         if self.critic is None:
             self.critic = ValueModel.from_policy(self.model)
             if self.cfg.recompute_granularity == "full":
-                self.critic.backbone.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": False})
+                enable_activation_checkpointing(self.critic.backbone)
             self.critic_optimizer = make_critic_optimizer(
                 self.critic, self.cfg.critic_lr or self.cfg.lr, self.cfg.weight_decay,
                 self._critic_betas())
