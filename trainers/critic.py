@@ -26,7 +26,8 @@ CRITIC_FILE = "critic.pt"
 
 
 class ValueModel(torch.nn.Module):
-    """backbone (HF base model) + value head: V = head(hidden_states) -> [B, L]."""
+    """backbone (HF base model) + value head; ``response_values`` reads V at the response
+    positions (the head on the backbone's hidden states there)."""
 
     def __init__(self, backbone: torch.nn.Module, hidden_size: int) -> None:
         super().__init__()
@@ -52,10 +53,6 @@ class ValueModel(torch.nn.Module):
         backbone = AutoModel.from_config(config, attn_implementation=attention_for(device),
                                          dtype=torch.float32)
         return cls(backbone, config.hidden_size).to(device).train()
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self.value_head(hidden.float()).squeeze(-1)
 
 
 def response_values(critic: ValueModel, pb: PaddedBatch, share_prompt: bool = False
