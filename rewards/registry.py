@@ -147,9 +147,10 @@ class Scorer:
     def outcomes(self, samples: list[Sample], timeout_s: float, max_workers: int) -> list[Outcome]:
         """One ``Outcome`` per sample: custom-function calls in worker processes, built-in
         rewards inline, the rest (remote, registered) in threads."""
-        far = [i for i, s in enumerate(samples) if self.in_worker(s)]
-        here = [i for i, s in enumerate(samples) if not self.in_worker(s) and self.inline(s)]
-        near = [i for i, s in enumerate(samples) if not self.in_worker(s) and not self.inline(s)]
+        route = ["far" if self.in_worker(s) else "here" if self.inline(s) else "near"
+                 for s in samples]
+        far, here, near = ([i for i, r in enumerate(route) if r == where]
+                           for where in ("far", "here", "near"))
         out: list[Outcome] = [Outcome(False, error="not run")] * len(samples)
         for i in here:
             out[i] = run_call(partial(self, samples[i]))
