@@ -8,9 +8,10 @@ against Prefect's real embedded server and records every HTTP request the proces
 ``iteration`` events of the run loop it counts
 
     total     every request sent meanwhile, on any thread (server load)
-    critical  those the iteration waits for (tag concurrency leases apart: ``lease``): all but those sent from rlake's own background
-              threads (named ``rlake-*``: the flow-run prefetcher, flows/prefetch.py); Prefect's
-              event-loop thread counts, the iteration blocks on it (``run_coro_as_sync``)
+    critical  those the iteration waits for (tag concurrency leases apart: ``lease``): all but
+              those sent from rlake's own background threads (named ``rlake-*``: the flow-run
+              prefetcher and reporter, flows/prefetch.py); Prefect's event-loop thread counts,
+              the iteration blocks on it (``run_coro_as_sync``)
 
 and prints the median of each over the iterations after the first, the requests of one
 iteration by method and path, then one JSON line. Counts are deterministic (no timings).
@@ -86,21 +87,17 @@ def off_path(thread: str) -> bool:
     return thread.startswith("rlake-")
 
 
-def created_while_running(span: list[tuple[str, str]]) -> bool | None:
-    """Whether the background creation of the next run started only after this iteration's
-    Running state was written: its first ``set_state`` after the update (PATCH) that starts the
-    iteration's run. Background requests before that PATCH finish the creation of this very run
-    (the previous iteration was quicker than it) and do not count; None: none after it."""
-    start = next((i for i, (t, line) in enumerate(span)
-                  if not off_path(t) and line.startswith("PATCH /api/flow_runs/")), None)
-    if start is None:
-        return None
-    first_bg = next((i for i, (t, _) in enumerate(span) if i > start and off_path(t)), None)
-    running = next((i for i, (t, line) in enumerate(span)
-                    if i > start and not off_path(t) and line.endswith("/set_state")), None)
-    if first_bg is None:
-        return None
-    return running is not None and running < first_bg
+def created_while_running(requests: list[tuple[str, str]]) -> list[bool]:
+    """For each start of a pre-created iteration run (its update, PATCH, sent from the
+    background thread): whether its Running state was sent before the next run's creation began
+    (its tracking task run), so that the two never write at once."""
+    out = []
+    for i, (thread, line) in enumerate(requests):
+        if off_path(thread) and line.startswith("PATCH /api/flow_runs/"):
+            following = (x for _, x in requests[i + 1:]
+                         if x.endswith("/set_state") or x == "POST /api/task_runs/")
+            out.append(next(following, "").endswith("/set_state"))
+    return out
 
 
 def per_iteration(log: RequestLog, marks: list[int]) -> list[dict]:
@@ -111,16 +108,15 @@ def per_iteration(log: RequestLog, marks: list[int]) -> list[dict]:
         span = log.requests[start:end]
         on_path = [line for t, line in span if not off_path(t)]
         out.append({"total": len(span), "critical": sum(not lease(x) for x in on_path),
-                    "leases": sum(lease(x) for x in on_path), "lines": Counter(on_path),
-                    "created_while_running": created_while_running(span)})
+                    "leases": sum(lease(x) for x in on_path), "lines": Counter(on_path)})
     return out
 
 
-def iteration_requests(home: str, iterations: int = 6) -> tuple[list[dict], dict[str, int]]:
+def iteration_requests(home: str, iterations: int = 6) -> tuple[list[dict], dict[str, int], list[bool]]:
     """Run a small quickstart (``iterations`` RL iterations) in this process and count each
     iteration's requests (``per_iteration``; the first iteration's span, from the run's first
     event on, is left out: it pays one-off set-up); with the states of its ``rl_iteration`` flow
-    runs (``flow_run_states``)."""
+    runs (``flow_run_states``) and ``created_while_running`` over all its requests."""
     from infra.config import load_config
     from infra.env import configure_environment
 
@@ -139,7 +135,8 @@ def iteration_requests(home: str, iterations: int = 6) -> tuple[list[dict], dict
             rl_run(cfg.model_dump(), run_id="requests")
     finally:
         set_reporter(None)
-    return per_iteration(log, marks), flow_run_states("rl_iteration")
+    return (per_iteration(log, marks), flow_run_states("rl_iteration"),
+            created_while_running(log.requests))
 
 
 def flow_run_states(name: str) -> dict[str, int]:
@@ -156,7 +153,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=6)
     args = parser.parse_args()
-    spans, states = iteration_requests(tempfile.mkdtemp(prefix="rlake-requests-"), args.iterations)
+    spans, states, ordered = iteration_requests(tempfile.mkdtemp(prefix="rlake-requests-"), args.iterations)
     for line, n in sorted(spans[-1]["lines"].items()):
         print(f"{n:3d}  {line}")
     out = {"bench": "flow_requests", "iterations": args.iterations,
@@ -164,7 +161,7 @@ def main() -> None:
            "median_critical": statistics.median(s["critical"] for s in spans),
            "critical": [s["critical"] for s in spans], "leases": [s["leases"] for s in spans],
            "total": [s["total"] for s in spans], "rl_iteration_runs": states,
-           "created_while_running": [s["created_while_running"] for s in spans]}
+           "created_while_running": ordered}
     print(json.dumps(out))
 
 

@@ -15,23 +15,43 @@ A pre-created run waits in state Pending named ``PREFETCHED`` until its iteratio
 never taken (the run stopped, failed or ended early) is deleted on exit; after a kill -9 the
 resume deletes it (``infra.recovery.delete_prefetched``), so no run that never started is left
 behind, nor marked Crashed.
+
+An iteration on a pre-created run waits for no request either: the engine's own writes for it
+(the run's update, Running, Completed or Failed) go to the same background thread, in order,
+and the engine goes on as if the server had accepted them (``_ReportingClient``). Each one
+costs the server ~40-50 ms on these machines (orchestration rules over SQLite), 4 per iteration:
+~0.17 s of an iteration's ~0.5 s were spent waiting for them (2026-11-25, docs/operations.md).
+What that gives up: the server's answer. A run cancelled from the UI while its iteration runs is
+not stopped by its Running being rejected (cancel the parent ``rl_run``: its own states are
+still orchestrated), and a state the server refuses or cannot take is logged, not raised (the
+lake, not Prefect, is the run's record; the iteration's states land a few ms to a few hundred ms
+after they happen, stamped by the server when they land).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 from uuid import uuid4
 
 from prefect import Flow, Task, tags
+from prefect.client.orchestration import SyncPrefectClient
+from prefect.client.schemas.objects import FlowRun
+from prefect.client.schemas.responses import (
+    OrchestrationResult,
+    SetStateStatus,
+    StateAcceptDetails,
+)
 from prefect.context import FlowRunContext, TagsContext
-from prefect.flow_engine import run_flow
-from prefect.states import Pending
+from prefect.flow_engine import FlowRunEngine
+from prefect.states import Pending, State
 
 from infra.recovery import PREFETCHED, delete_with_tracker
+
+logger = logging.getLogger(__name__)
 
 # a run that is not Running after this long (a slow start): create the next one anyway
 START_WAIT_S = 10.0
@@ -64,15 +84,75 @@ def untagged() -> Iterator[None]:
         yield
 
 
+class _ReportingClient(SyncPrefectClient):
+    """The flow engine's client for one pre-created run: the run's own writes are handed to
+    ``send`` (the background thread) and answered at once as accepted; reading the run gives the
+    engine's own copy. Everything else is the engine's client itself (the same connection)."""
+
+    def __init__(self, client: SyncPrefectClient, flow_run: FlowRun,
+                 send: Callable[[Callable[[SyncPrefectClient], Any]], None]) -> None:
+        self.__dict__.update(client.__dict__)
+        self._flow_run = flow_run
+        self._send = send
+
+    def read_flow_run(self, flow_run_id):
+        if flow_run_id == self._flow_run.id:
+            return self._flow_run
+        return super().read_flow_run(flow_run_id)
+
+    def update_flow_run(self, flow_run_id, **fields):
+        self._send(lambda client: client.update_flow_run(flow_run_id, **fields))
+
+    def set_flow_run_state(self, flow_run_id, state: State, force: bool = False,
+                           **kwargs) -> OrchestrationResult:
+        # a copy: the engine goes on changing the state it proposed (its data, details)
+        sent = state.model_copy(update={"state_details": state.state_details.model_copy()})
+
+        def propose(client: SyncPrefectClient) -> None:
+            result = client.set_flow_run_state(flow_run_id, sent, force=force, **kwargs)
+            if result.status != SetStateStatus.ACCEPT:
+                logger.warning("Prefect did not take state %s of flow run %s: %s %s", sent.name,
+                               flow_run_id, result.status.value, result.details)
+        self._send(propose)
+        return OrchestrationResult(state=state, status=SetStateStatus.ACCEPT,
+                                   details=StateAcceptDetails())
+
+
+class _ReportingEngine(FlowRunEngine):
+    """Prefect's flow engine with ``_ReportingClient`` as its client (set ``send`` first)."""
+
+    send: Callable[[Callable[[SyncPrefectClient], Any]], None]
+    _reporting: _ReportingClient | None = None
+
+    @property
+    def client(self) -> SyncPrefectClient:
+        client = FlowRunEngine.client.fget(self)
+        if self._reporting is None:
+            self._reporting = _ReportingClient(client, self.flow_run, self.send)
+        return self._reporting
+
+
+def run_reported(flow: Flow, flow_run: FlowRun, parameters: dict[str, Any],
+                 send: Callable[[Callable[[SyncPrefectClient], Any]], None]) -> Any:
+    """``flow(**parameters)`` on ``flow_run`` with Prefect's engine (the loop of
+    ``prefect.flow_engine.run_flow_sync``), its writes for the run handed to ``send``."""
+    engine = _ReportingEngine(flow=flow, flow_run=flow_run, parameters=parameters)
+    engine.send = send
+    with engine.start():
+        while engine.is_running():
+            with engine.run_context():
+                engine.call_flow_fn()
+    return engine.result()
+
+
 class IterationRuns:
     """Hands out flow runs of ``flow`` created ahead of time (see the module docstring)."""
 
     def __init__(self, flow: Flow) -> None:
-        # the next run is created once this one is Running (``_running``), not while this one's
-        # own writes go out: two writers at once make SQLite answer busy and the client retry
-        # after seconds
+        # the next run is created once this one is Running (``_running``): its creation is
+        # queued behind this run's Running, never between this run's writes
         self.flow = flow.with_options(on_running=[*flow.on_running_hooks, self._running])
-        self._started = threading.Event()
+        self._next: tuple[dict[str, Any], set[str] | None] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._client = None
         self._pending: dict[tuple, Future] = {}
@@ -98,38 +178,47 @@ class IterationRuns:
         tags = self._tags | set(extra_tags or ())
         key = _key(parameters, tags)
         if key not in self._pending:
-            self._pending[key] = self._pool.submit(self._create, parameters, tags, self._started)
+            self._pending[key] = self._pool.submit(self._create, parameters, tags)
 
     def run(self, parameters: dict[str, Any], next_parameters: dict[str, Any] | None = None,
             extra_tags: set[str] | None = None, next_tags: set[str] | None = None) -> Any:
         """Run the flow for ``parameters`` (on its pre-created run if there is one, else as a
-        plain subflow call) with ``extra_tags`` on it, after asking for the next one's run
-        (``next_parameters``, ``next_tags``) to be created meanwhile.
+        plain subflow call) with ``extra_tags`` on it; once it is Running, the next one's run
+        (``next_parameters``, ``next_tags``) is created meanwhile.
 
         A pre-created run has its tags already, and its task runs get none (``untagged``). A
         run made here by the plain call takes its tags from the context, and so do its task
         runs (the first iteration only)."""
         extra_tags = set(extra_tags or ())
         future = self._pending.pop(_key(parameters, self._tags | extra_tags), None)
-        self._started = threading.Event()
-        if next_parameters is not None:
-            self.prefetch(next_parameters, next_tags)
+        self._next = (next_parameters, next_tags) if next_parameters is not None else None
         flow_run = _created(future)
         try:
             if flow_run is None:
                 with tags(*sorted(extra_tags)):
                     return self.flow(**parameters)
             with untagged():
-                return run_flow(self.flow, flow_run=flow_run, parameters=parameters)
+                return run_reported(self.flow, flow_run, parameters, self._send)
         finally:
-            self._started.set()  # never Running (failed before): the next creation goes on
+            self._prefetch_next()  # never Running (failed before): the next creation goes on
 
     def _running(self, flow, flow_run, state) -> None:
-        """The flow's on-running hook: its Running state is written."""
-        self._started.set()
+        """The flow's on-running hook: its Running state is written (or queued)."""
+        self._prefetch_next()
+
+    def _prefetch_next(self) -> None:
+        if self._next is not None:
+            parameters, extra_tags = self._next
+            self._next = None
+            self.prefetch(parameters, extra_tags)
+
+    def _send(self, write: Callable[[SyncPrefectClient], Any]) -> None:
+        """Queue ``write(client)`` for the background thread, after everything queued before."""
+        self._pool.submit(self._write, write)
 
     def close(self) -> None:
-        """Delete the runs created and never taken; stop the thread."""
+        """Let the queued writes land; delete the runs created and never taken; stop the
+        thread."""
         if self._pool is None:
             return
         pending, self._pending = list(self._pending.values()), {}
@@ -152,11 +241,15 @@ class IterationRuns:
             self._client.__enter__()
         return self._client
 
-    def _create(self, parameters: dict[str, Any], tags: set[str], after: threading.Event):
+    def _write(self, write: Callable[[SyncPrefectClient], Any]) -> None:
+        try:
+            write(self._client_())
+        except Exception as exc:  # noqa: BLE001 - a lost record must not stop the run
+            logger.warning("a Prefect write for an iteration's flow run failed: %r", exc)
+
+    def _create(self, parameters: dict[str, Any], tags: set[str]):
         """The records a subflow call creates (``prefect.flow_engine.FlowRunEngine.
-        create_flow_run``): the parent's tracking task run, then the flow run under it; once
-        ``after`` is set (the current run is Running)."""
-        after.wait(timeout=START_WAIT_S)
+        create_flow_run``): the parent's tracking task run, then the flow run under it."""
         client = self._client_()
         tracker = Task(name=self.flow.name, fn=self.flow.fn, version=self.flow.version)
         tracker._is_subflow_tracking_task = True

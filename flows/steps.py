@@ -83,7 +83,7 @@ def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_sta
         rt.tracker.flush()
         record_train_step(rt, train_step_row(rt, iteration, base_version, new_version, lake_version,
                                              training_slice, train_metrics, metrics, timings))
-        rt.prune_checkpoints(keep_version=new_version)  # new_version is committed now
+        rt.prune_checkpoints(keep_version=new_version, committed=new_version)
         fault_join("during_background_write")  # committed, its checkpoint half-written
         fault_point("during_mlflow_log")
         # queued for the tracker's background sender (it retries): no task run around a queue put

@@ -100,11 +100,12 @@ class Runtime:
         versions = [v for v in steps.column("weight_version").to_pylist() if v is not None]
         return max(versions, default=0)
 
-    def prune_checkpoints(self, keep_version: int | None = None) -> None:
+    def prune_checkpoints(self, keep_version: int | None = None, committed: int | None = None) -> None:
         """Delete saved versions below the committed one except the newest ``keep_checkpoints``,
         the one a resume needs and v0 while the reference needs it (``infra.checkpoints.
-        prunable``). ``keep_version`` is kept too (it is never below the commit)."""
-        committed = self.committed_version()
+        prunable``). ``keep_version`` is kept too (it is never below the commit). ``committed``:
+        the committed version when the caller has just written it (else read from the lake)."""
+        committed = self.committed_version() if committed is None else committed
         saved = saved_versions(self.checkpoint_root)
         for v in prunable(saved, committed, self.cfg.keep_checkpoints, self.trainer_needs_v0):
             if v != keep_version:

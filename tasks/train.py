@@ -43,7 +43,8 @@ def publish_weights(rt: Runtime, weight_version: int, save: bool = True, wait: b
         rt.engine.load_state_dict(weights, weight_version)
     else:
         rt.engine.update_weights(str(path), weight_version)
-    rt.prune_checkpoints(keep_version=weight_version)
+    if save or weights is None:  # a new folder (the hand-off alone changes nothing on disk)
+        rt.prune_checkpoints(keep_version=weight_version)
     return str(path) if save or weights is None else None
 
 
