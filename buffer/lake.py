@@ -56,6 +56,24 @@ def slice_lake_version(table: pa.Table) -> int | None:
     return int(meta[LAKE_VERSION_KEY]) if LAKE_VERSION_KEY in meta else None
 
 
+def slice_of_written(table: pa.Table, min_version: int, max_version: int | None = None,
+                     lake_version: int | None = None) -> pa.Table:
+    """What ``Lake.training_slice(run_id, min_version, max_version)`` returns right after
+    ``table`` (one run's ``trajectories`` rows, in the declared schema) was appended, when the
+    lake held no other unconsumed train row of the run in that range: the rows with kind
+    ``train`` and ``min_version <= weight_version <= max_version``, in the declared schema,
+    oldest first (``SLICE_ORDER``), ``lake_version`` in the schema metadata. A sync run that has
+    trained on everything it wrote holds none (each step consumes its whole slice)."""
+    keep = (pc.field("kind") == "train") & (pc.field("weight_version") >= int(min_version))
+    if max_version is not None:
+        keep &= pc.field("weight_version") <= int(max_version)
+    data = conform(table.filter(keep), "trajectories").sort_by(SLICE_ORDER)
+    if lake_version is None:
+        return data
+    return data.replace_schema_metadata({**(data.schema.metadata or {}),
+                                         LAKE_VERSION_KEY: str(lake_version).encode()})
+
+
 def trajectory_guard(run_id: str, iteration: int) -> str:
     """The app-transaction id of ``(run_id, iteration)``'s trajectory appends."""
     return f"rlake/trajectories/{run_id}/{iteration}"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 
 from prefect import flow, tags
+from prefect.futures import PrefectFuture
 from prefect.settings import temporary_settings
 from prefect.utilities.annotations import quote
 
@@ -42,7 +43,8 @@ from infra.recovery import run_tag
 from infra.runtime import RUNTIMES, Runtime, open_runtime
 from rollout.sample import Status
 from tasks.eval import evaluate
-from tasks.rollout import generate_rollouts, score, write_rollout
+from tasks.lake import read_training_slice, written_slice
+from tasks.rollout import generate_rollouts, rollout_table, score, write_rollout
 from tasks.sft import sft_train
 from tasks.train import publish_weights
 from trainers.metrics import rollout_metrics
@@ -70,10 +72,12 @@ def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
     set_iteration(iteration)
     rt.seed_iteration(iteration)
     recorded = recorded_samples(rt, iteration)  # a resume after the lake append
+    read_slice = read_training_slice
     if recorded is not None:
         samples, rollout_stats = recorded
         timings["generate"] = 0.0
         failed = sum(s.status == Status.FAILED for s in samples)
+        fault_point("after_lake_append")
     else:
         with phase(timings, "generate"):
             rollout = generate_rollouts(rt, iteration)  # dynamic sampling / partial rollouts inside
@@ -82,16 +86,29 @@ def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
         with phase(timings, "score"):
             failed = score(rt, quote(samples))
         with phase(timings, "lake_write"):
-            write_rollout(rt, quote(rollout), iteration)  # train + filtered/aborted/partial rows
-    fault_point("after_lake_append")
+            rows = rollout_table(rt, rollout, iteration)  # train + filtered/aborted/partial rows
+            written = write_rollout.submit(rt, quote(rows), rollout.commit_info())
+        if rt.trained_on_all_written:  # the slice is this rollout's rows: train while they commit
+            read_slice = written_slice(rows, lambda: landed(rt, written))
+        else:
+            landed(rt, written)
     stats = {**rollout_metrics(samples, timings["generate"]), "rollout/failed": float(failed),
              **rollout_stats}
-    metrics = train_and_commit(rt, iteration, base_version, stats, timings)
+    metrics = train_and_commit(rt, iteration, base_version, stats, timings, read_slice)
+    rt.trained_on_all_written = True  # this step consumed every unconsumed row in its range
     timings["total"] = time.perf_counter() - start
     metrics.update({f"time/{k}": v for k, v in timings.items()})
     if (iteration + 1) % rt.cfg.eval.eval_interval == 0 or iteration + 1 == rt.cfg.num_rollout:
         metrics["eval/accuracy"] = evaluate(rt, iteration + 1)["accuracy"]
     return metrics
+
+
+def landed(rt: Runtime, written: PrefectFuture) -> int | None:
+    """The Delta version of the iteration's trajectories commit once it has landed (a write that
+    failed after its retries raises here, before anything trained on it is committed)."""
+    version = written.result()
+    fault_point("after_lake_append")
+    return rt.lake.table_version("trajectories") if version is None else version
 
 
 @flow(name="rl_run")

@@ -25,6 +25,7 @@ from tasks.train import publish_weights, train
 from trainers.metrics import staleness
 
 STEP_METRICS = RECORDED_TERMS
+LakeVersion = int | None | Callable[[], int | None]
 
 
 @contextmanager
@@ -53,10 +54,12 @@ def train_step_row(rt: Runtime, iteration: int, base_version: int, new_version: 
 
 def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_stats: dict[str, float],
                      timings: dict[str, float],
-                     read_slice: Callable[[Runtime, int], tuple[pa.Table, int]] = read_training_slice,
+                     read_slice: Callable[[Runtime, int], tuple[pa.Table, LakeVersion]] = read_training_slice,
                      total: int | None = None) -> dict[str, float]:
     """Train on the slice ``read_slice(rt, base_version)`` and commit the new version; returns
-    the iteration's metrics (rollout_stats + train/* + staleness/* + weight_version).
+    the iteration's metrics (rollout_stats + train/* + staleness/* + weight_version). The slice
+    comes with the trajectories version it was read at, or a call that gives it once the rows'
+    commit has landed (a slice built from rows still being written: ``flows.rl.written_slice``).
 
     The checkpoint of the new version is written when due (``infra.checkpoints.checkpoint_due``
     over ``total`` iterations, default ``num_rollout``), in the background except at the last
@@ -78,6 +81,8 @@ def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_sta
     metrics = {**rollout_stats, **{f"train/{k}": v for k, v in train_metrics.items()},
                **staleness(base_version, versions), "weight_version": float(new_version)}
     with phase(timings, "record"):
+        if callable(lake_version):  # the slice's rows committed meanwhile: wait for that first
+            lake_version = lake_version()
         # the previous iteration's MLflow work (sent in the background) lands before this commit:
         # a crash can only lose the current iteration's, which resume re-does (durability.recover)
         rt.tracker.flush()

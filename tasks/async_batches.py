@@ -12,7 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from buffer.lake import slice_lake_version
 from infra.runtime import Runtime
 from infra.sides import RolloutSide
-from tasks.rollout import generate_rollouts, score, write_rollout
+from tasks.rollout import generate_rollouts, rollout_table, score, write_rollout
 from trainers.metrics import rollout_metrics
 
 
@@ -29,7 +29,7 @@ def rollout_batch(side: RolloutSide, batch: int) -> dict[str, float]:
     out.stats.update({"rollout/failed": float(failed), "rollout/weight_version":
                       float(side.engine.weight_version), "time/generate": generated - start,
                       "time/score": scored - generated})
-    lake_version = write_rollout.fn(side, out, batch)
+    lake_version = write_rollout.fn(side, rollout_table(side, out, batch), out.commit_info())
     return {**out.stats, "time/lake_write": time.perf_counter() - scored,
             "rollout/lake_version": float(-1 if lake_version is None else lake_version)}
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from buffer.lake import slice_lake_version
+from buffer.lake import slice_lake_version, slice_of_written
 from infra.runtime import Runtime
 from rollout.sample import Sample
 
@@ -24,6 +26,17 @@ def read_training_slice(rt: Runtime, weight_version: int) -> tuple[pa.Table, int
     table = rt.lake.training_slice(rt.run_id, weight_version - rt.cfg.trainer.max_staleness,
                                    weight_version)
     return table, slice_lake_version(table)
+
+
+def written_slice(rows: pa.Table, lake_version: Callable[[], int | None]):
+    """A ``read_slice`` for ``train_and_commit`` that reads no lake: the training slice of a sync
+    iteration whose previous step (in this process) consumed every unconsumed row in its range,
+    i.e. this rollout's own train rows in range (``buffer.lake.slice_of_written``); the commit's
+    version comes from ``lake_version``, called just before the step's own commit."""
+    def read(rt: Runtime, base_version: int) -> tuple[pa.Table, Callable[[], int | None]]:
+        k = rt.cfg.trainer.max_staleness
+        return slice_of_written(rows, base_version - k, base_version), lake_version
+    return read
 
 
 @task(name="record_train_step", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)

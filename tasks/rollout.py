@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from buffer.schema import rows_to_table
 from infra.runtime import Runtime
 from rewards.registry import score_samples
 from rollout.context import RolloutContext, RolloutOutput
@@ -37,11 +39,17 @@ def score(rt: Runtime, samples: list[Sample]) -> int:
     return sum(s.status == Status.FAILED and "error" in s.reward_detail for s in samples)
 
 
+def rollout_table(rt: Runtime, rollout: RolloutOutput, iteration: int) -> pa.Table:
+    """Every sample of the iteration (train, filtered, aborted/partial) as ``trajectories`` rows,
+    ``created_at`` stamped: the table ``write_rollout`` appends."""
+    return rows_to_table("trajectories", rollout.rows(rt.run_id, iteration, rt.engine.name,
+                                                      rt.cfg.rollout.partial_rollout))
+
+
 @task(name="write_rollout", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def write_rollout(rt: Runtime, rollout: RolloutOutput, iteration: int) -> int | None:
-    """One Delta commit with every sample of the iteration (train, filtered, aborted/partial) and
-    the rollout's stats (data position included, for a resume that reuses these rows);
-    idempotent on sample_uid, so a retry or resume never duplicates."""
-    return rt.lake.append_trajectories(rollout.rows(rt.run_id, iteration, rt.engine.name,
-                                                    rt.cfg.rollout.partial_rollout),
-                                       commit_info=rollout.commit_info())
+def write_rollout(rt: Runtime, rows: pa.Table, commit_info: dict[str, str]) -> int | None:
+    """One Delta commit with the iteration's ``rollout_table`` and the rollout's stats in
+    ``commit_info`` (data position included, for a resume that reuses these rows); idempotent on
+    sample_uid, so a retry or resume never duplicates. Returns the commit's version (None: every
+    row was there already)."""
+    return rt.lake.append_trajectories(rows, commit_info=commit_info)

@@ -104,3 +104,38 @@ def test_slice_after_an_outside_update_and_merge(tmp_path):
     fresh = Lake(str(tmp_path))
     assert sorted(fresh.training_slice("r", 0).column("sample_uid").to_pylist()) == uids[3:]
     assert fresh.read_samples("r", uids[:3][::-1]).column("sample_uid").to_pylist() == uids[:3][::-1]
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    parts=st.lists(st.tuples(st.integers(0, 5), st.sampled_from(["train", "filtered", "partial"]),
+                             st.integers(1, 5)), min_size=1, max_size=4),
+    lo=st.integers(0, 5), span=st.one_of(st.none(), st.integers(0, 3)), seed=st.randoms(use_true_random=False),
+)
+def test_a_slice_of_written_rows_is_the_lake_slice_after_their_append(parts, lo, span, seed):
+    """``slice_of_written`` (a sync iteration's slice built from the rows it is appending) is
+    the very table ``training_slice`` reads back once they landed, when every older train row of
+    the run in range is consumed: same rows, order, values and schema."""
+    from buffer.lake import slice_of_written
+    from buffer.schema import rows_to_table
+
+    with tempfile.TemporaryDirectory() as tmp:
+        lake = Lake(tmp)
+        older = synthetic_rows("r", 0, 6, weight_version=lo)
+        lake.append_trajectories(older)  # an earlier iteration's rows, consumed
+        lake.append_train_step({"run_id": "r", "step": 0, "base_version": lo, "weight_version": lo + 1,
+                                "sample_uids": [r["sample_uid"] for r in older]})
+        rows, index = [], 0
+        for version, kind, n in parts:  # one iteration's rows: kinds and versions mixed
+            for row in synthetic_rows("r", 1, n, weight_version=version, kind=kind):
+                rows.append({**row, "sample_uid": f"r/1/{index}", "sample_index": index})
+                index += 1
+        seed.shuffle(rows)
+        table = rows_to_table("trajectories", rows)
+        version = lake.append_trajectories(table)
+        hi = None if span is None else lo + span
+        read = lake.training_slice("r", lo, hi)
+        built = slice_of_written(table, lo, hi, lake_version=version)
+        assert built.equals(read, check_metadata=True)
+        assert built.num_rows == sum(r["kind"] == "train" and r["weight_version"] >= lo
+                                     and (hi is None or r["weight_version"] <= hi) for r in rows)
