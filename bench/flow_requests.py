@@ -87,19 +87,6 @@ def off_path(thread: str) -> bool:
     return thread.startswith("rlake-")
 
 
-def created_while_running(requests: list[tuple[str, str]]) -> list[bool]:
-    """For each start of a pre-created iteration run (its update, PATCH, sent from the
-    background thread): whether its Running state was sent before the next run's creation began
-    (its tracking task run), so that the two never write at once."""
-    out = []
-    for i, (thread, line) in enumerate(requests):
-        if off_path(thread) and line.startswith("PATCH /api/flow_runs/"):
-            following = (x for _, x in requests[i + 1:]
-                         if x.endswith("/set_state") or x == "POST /api/task_runs/")
-            out.append(next(following, "").endswith("/set_state"))
-    return out
-
-
 def per_iteration(log: RequestLog, marks: list[int]) -> list[dict]:
     """For each span between consecutive marks: {"total", "critical", "lines"} (``critical``:
     the requests not ``off_path``; ``lines``: those by "METHOD /path")."""
@@ -112,11 +99,12 @@ def per_iteration(log: RequestLog, marks: list[int]) -> list[dict]:
     return out
 
 
-def iteration_requests(home: str, iterations: int = 6) -> tuple[list[dict], dict[str, int], list[bool]]:
+def iteration_requests(home: str, iterations: int = 6) -> tuple[list[dict], dict[str, int], set[str]]:
     """Run a small quickstart (``iterations`` RL iterations) in this process and count each
     iteration's requests (``per_iteration``; the first iteration's span, from the run's first
     event on, is left out: it pays one-off set-up); with the states of its ``rl_iteration`` flow
-    runs (``flow_run_states``) and ``created_while_running`` over all its requests."""
+    runs (``flow_run_states``) and the threads that wrote flow and task runs between the first
+    and the last iteration's ends (``writers``)."""
     from infra.config import load_config
     from infra.env import configure_environment
 
@@ -136,7 +124,15 @@ def iteration_requests(home: str, iterations: int = 6) -> tuple[list[dict], dict
     finally:
         set_reporter(None)
     return (per_iteration(log, marks), flow_run_states("rl_iteration"),
-            created_while_running(log.requests))
+            writers(log.requests[marks[0]:marks[-1]] if marks else []))
+
+
+def writers(requests: list[tuple[str, str]]) -> set[str]:
+    """The threads (numbered pool threads as one name) that sent writes of flow runs and task runs
+    (POST, PATCH: creations, states, updates; not the ``/filter`` reads)."""
+    return {re.sub(r"_\d+$", "", thread) for thread, line in requests
+            if line.split()[0] in ("POST", "PATCH") and "/filter" not in line
+            and line.split()[1].startswith(("/api/flow_runs/", "/api/task_runs/"))}
 
 
 def flow_run_states(name: str) -> dict[str, int]:
@@ -153,7 +149,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=6)
     args = parser.parse_args()
-    spans, states, ordered = iteration_requests(tempfile.mkdtemp(prefix="rlake-requests-"), args.iterations)
+    spans, states, writing = iteration_requests(tempfile.mkdtemp(prefix="rlake-requests-"), args.iterations)
     for line, n in sorted(spans[-1]["lines"].items()):
         print(f"{n:3d}  {line}")
     out = {"bench": "flow_requests", "iterations": args.iterations,
@@ -161,7 +157,7 @@ def main() -> None:
            "median_critical": statistics.median(s["critical"] for s in spans),
            "critical": [s["critical"] for s in spans], "leases": [s["leases"] for s in spans],
            "total": [s["total"] for s in spans], "rl_iteration_runs": states,
-           "created_while_running": ordered}
+           "writers": sorted(writing)}
     print(json.dumps(out))
 
 

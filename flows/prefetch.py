@@ -17,10 +17,13 @@ resume deletes it (``infra.recovery.delete_prefetched``), so no run that never s
 behind, nor marked Crashed.
 
 An iteration on a pre-created run waits for no request either: the engine's own writes for it
-(the run's update, Running, Completed or Failed) go to the same background thread, in order,
-and the engine goes on as if the server had accepted them (``_ReportingClient``). Each one
-costs the server ~40-50 ms on these machines (orchestration rules over SQLite), 4 per iteration:
-~0.17 s of an iteration's ~0.5 s were spent waiting for them (2026-11-25, docs/operations.md).
+(Running, then Completed or Failed) go to the same background thread, in order, and the engine
+goes on as if the server had accepted them (``_ReportingClient``); its read of the run is
+answered from its own copy, its update of the run (the values the run was created with) is
+dropped. A state change costs the server ~40-50 ms here (orchestration rules over SQLite): the
+4 requests an iteration waited for took ~0.13-0.17 s of its ~0.5-0.6 s (2026-11-25,
+docs/operations.md). One thread sends all of them, so no two of rlake's writes meet at the
+server's SQLite (a collision there costs a 2 s client retry).
 What that gives up: the server's answer. A run cancelled from the UI while its iteration runs is
 not stopped by its Running being rejected (cancel the parent ``rl_run``: its own states are
 still orchestrated), and a state the server refuses or cannot take is logged, not raised (the
@@ -101,6 +104,10 @@ class _ReportingClient(SyncPrefectClient):
         return super().read_flow_run(flow_run_id)
 
     def update_flow_run(self, flow_run_id, **fields):
+        if flow_run_id == self._flow_run.id and set(fields) <= {"flow_version", "empirical_policy"}:
+            # the engine re-sends what ``IterationRuns._create`` created the run with (the flow's
+            # version and retry policy, no field left unset): nothing to write
+            return None
         self._send(lambda client: client.update_flow_run(flow_run_id, **fields))
 
     def set_flow_run_state(self, flow_run_id, state: State, force: bool = False,
