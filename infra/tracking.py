@@ -147,6 +147,7 @@ class Tracker:
             self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(
                 EXPERIMENT, artifact_location=(root / "artifacts").as_uri())
         self.run_id: str | None = None
+        self._registered: dict[str, dict[int, str]] = {}  # model name -> its weight versions
         self._sender = _Sender(self.client)
 
     def start(self, run_name: str, params: dict[str, str], tags: dict[str, str],
@@ -229,16 +230,27 @@ class Tracker:
         name = self.model_name(rlake_run_id)
         tags = {k: "" if v is None else str(v) for k, v in
                 {"run": rlake_run_id, "weight_version": weight_version, **tags}.items()}
-        for mv in self.client.search_model_versions(f"name='{name}'"):
-            if mv.tags.get("weight_version") == str(weight_version):
-                return mv.version
+        registered = self._model_versions(name)
+        if weight_version in registered:
+            return registered[weight_version]
         folder = f"checkpoints/v{weight_version:06d}"
         self.client.log_text(self.run_id, json.dumps(tags, indent=1), f"{folder}/checkpoint.json")
-        if self.client.search_registered_models(f"name='{name}'") == []:
+        if not registered and self.client.search_registered_models(f"name='{name}'") == []:
             self.client.create_registered_model(name, tags={"run": rlake_run_id})
         mv = self.client.create_model_version(name, f"runs:/{self.run_id}/{folder}",
                                               run_id=self.run_id, tags=tags)
+        registered[weight_version] = mv.version
         return mv.version
+
+    def _model_versions(self, name: str) -> dict[int, str]:
+        """Weight version -> MLflow version of model ``name``: searched once per process, then
+        kept up to date by ``register_weight_version`` (one process writes a run's versions;
+        the search grew with every version and cost more than the registration itself)."""
+        if name not in self._registered:
+            found = self.client.search_model_versions(f"name='{name}'")
+            self._registered[name] = {int(mv.tags["weight_version"]): mv.version
+                                      for mv in found if "weight_version" in mv.tags}
+        return self._registered[name]
 
     def logged_steps(self, key: str) -> set[int]:
         """Steps at which ``key`` was logged in this run (to re-log what a crash lost)."""
