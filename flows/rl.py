@@ -3,11 +3,13 @@
     rl_iteration(run, i):
       generate_rollouts(prompts i, weights v)    -> samples
       score(samples)                             -> rewards
-      write_rollout(samples)                     -> lake commit (+ filtered, aborted, partial rows)
+      write_rollout(samples)  (submitted)        -> lake commit (+ filtered, aborted, partial rows)
       read_training_slice(run, v, max_staleness) -> unconsumed samples, version >= v - k
-      train(slice)                               -> weights v+1, metrics
+                                                    (from the rows being written, after step 1)
+      train(slice)                               -> weights v+1, metrics (while the commit lands)
       publish_weights(v+1)                       -> HF checkpoint, engine updated
-      record_train_step + log_metrics            -> train_steps row (the durable point), MLflow
+      record_train_step + log_metrics            -> train_steps row (the durable point, after the
+                                                    rows' commit), MLflow
       register weight version                    -> MLflow model version (lineage tags)
       evaluate (every eval_interval)             -> evals rows
 
