@@ -68,10 +68,14 @@ def slice_of_written(table: pa.Table, min_version: int, max_version: int | None 
     if max_version is not None:
         keep &= pc.field("weight_version") <= int(max_version)
     data = conform(table.filter(keep), "trajectories").sort_by(SLICE_ORDER)
-    if lake_version is None:
-        return data
-    return data.replace_schema_metadata({**(data.schema.metadata or {}),
-                                         LAKE_VERSION_KEY: str(lake_version).encode()})
+    return data if lake_version is None else with_lake_version(data, lake_version)
+
+
+def with_lake_version(table: pa.Table, version: int) -> pa.Table:
+    """``table`` with the ``trajectories`` version it was read at in its schema metadata
+    (``slice_lake_version`` reads it back)."""
+    return table.replace_schema_metadata({**(table.schema.metadata or {}),
+                                          LAKE_VERSION_KEY: str(version).encode()})
 
 
 def trajectory_guard(run_id: str, iteration: int) -> str:
@@ -321,8 +325,7 @@ class Lake:
         data = data.sort_by(SLICE_ORDER)
         if limit is not None:
             data = data.slice(0, max(0, int(limit)))
-        meta = {**(data.schema.metadata or {}), LAKE_VERSION_KEY: str(version).encode()}
-        return data.replace_schema_metadata(meta)
+        return with_lake_version(data, version)
 
     def iteration_rows(self, run_id: str, iteration: int, kind: str) -> pa.Table:
         """``run_id``'s trajectories of one ``iteration`` and ``kind``, whatever weight version

@@ -56,9 +56,6 @@ from infra.recovery import PREFETCHED, delete_with_tracker
 
 logger = logging.getLogger(__name__)
 
-# a run that is not Running after this long (a slow start): create the next one anyway
-START_WAIT_S = 10.0
-
 
 def _key(parameters: dict[str, Any], tags: set[str]) -> tuple:
     return tuple(sorted(parameters.items())), tuple(sorted(tags))

@@ -90,14 +90,16 @@ def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
         with phase(timings, "lake_write"):
             rows = rollout_table(rt, rollout, iteration)  # train + filtered/aborted/partial rows
             written = write_rollout.submit(rt, quote(rows), rollout.commit_info())
-        if rt.trained_on_all_written:  # the slice is this rollout's rows: train while they commit
+        # after the process's first step, which consumed every unconsumed train row in its range
+        # (each step consumes its whole slice), the slice is this rollout's own rows: train
+        # while they commit
+        if iteration > rt.start_iteration:
             read_slice = written_slice(rows, lambda: landed(rt, written))
         else:
             landed(rt, written)
     stats = {**rollout_metrics(samples, timings["generate"]), "rollout/failed": float(failed),
              **rollout_stats}
     metrics = train_and_commit(rt, iteration, base_version, stats, timings, read_slice)
-    rt.trained_on_all_written = True  # this step consumed every unconsumed row in its range
     timings["total"] = time.perf_counter() - start
     metrics.update({f"time/{k}": v for k, v in timings.items()})
     if (iteration + 1) % rt.cfg.eval.eval_interval == 0 or iteration + 1 == rt.cfg.num_rollout:

@@ -59,7 +59,7 @@ def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_sta
     """Train on the slice ``read_slice(rt, base_version)`` and commit the new version; returns
     the iteration's metrics (rollout_stats + train/* + staleness/* + weight_version). The slice
     comes with the trajectories version it was read at, or a call that gives it once the rows'
-    commit has landed (a slice built from rows still being written: ``flows.rl.written_slice``).
+    commit has landed (a slice built from rows still being written: ``tasks.lake.written_slice``).
 
     The checkpoint of the new version is written when due (``infra.checkpoints.checkpoint_due``
     over ``total`` iterations, default ``num_rollout``), in the background except at the last

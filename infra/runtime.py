@@ -70,9 +70,6 @@ class Runtime:
         self.held_out, self.reward_fn = held_out, reward_fn
         self.trainer: TorchTrainer | None = None
         self.start_iteration = 0
-        # a sync step of this process consumed every unconsumed train row in its range: the next
-        # slice is the next rollout's own rows (flows.rl.rl_iteration reads it from memory)
-        self.trained_on_all_written = False
         self.mlflow_run_id: str | None = None
         self.reporter = None
 

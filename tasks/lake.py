@@ -28,7 +28,8 @@ def read_training_slice(rt: Runtime, weight_version: int) -> tuple[pa.Table, int
     return table, slice_lake_version(table)
 
 
-def written_slice(rows: pa.Table, lake_version: Callable[[], int | None]):
+def written_slice(rows: pa.Table, lake_version: Callable[[], int | None]
+                  ) -> Callable[[Runtime, int], tuple[pa.Table, Callable[[], int | None]]]:
     """A ``read_slice`` for ``train_and_commit`` that reads no lake: the training slice of a sync
     iteration whose previous step (in this process) consumed every unconsumed row in its range,
     i.e. this rollout's own train rows in range (``buffer.lake.slice_of_written``); the commit's

@@ -32,7 +32,8 @@ def publish_weights(rt: Runtime, weight_version: int, save: bool = True, wait: b
     None when none is written."""
     weights = in_process_weights(rt)
     path = rt.checkpoint_dir(weight_version)
-    if save or weights is None:
+    writes_checkpoint = save or weights is None
+    if writes_checkpoint:
         save_checkpoint(rt, path, background=not wait and weights is not None)
     fault_point("during_weight_handoff")
     if weights is not None and receives_broadcast(rt.engine):
@@ -43,9 +44,9 @@ def publish_weights(rt: Runtime, weight_version: int, save: bool = True, wait: b
         rt.engine.load_state_dict(weights, weight_version)
     else:
         rt.engine.update_weights(str(path), weight_version)
-    if save or weights is None:  # a new folder (the hand-off alone changes nothing on disk)
+    if writes_checkpoint:  # a new folder (the hand-off alone changes nothing on disk)
         rt.prune_checkpoints(keep_version=weight_version)
-    return str(path) if save or weights is None else None
+    return str(path) if writes_checkpoint else None
 
 
 def save_checkpoint(rt: Runtime, path, background: bool) -> None:
