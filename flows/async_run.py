@@ -2,8 +2,9 @@
 process (flows/rollout_side.py) and the two share only the lake and the weight hand-off.
 
     rl_iteration(i)   (a Prefect flow run, tagged with the run and rlake-batch:i)
-      wait until rollout batch i is in the lake          (usually already: rollout runs ahead)
-      read batch i (unconsumed, version >= v - k)        -> train -> v+1 -> train_steps row
+      wait until the rollout side sent batch i's rows    (usually already: rollout runs ahead)
+      batch i's slice (version >= v - k), from the rows sent (from the lake after a resume)
+      train -> v+1 -> train_steps row                    (after batch i's lake commit landed)
       hand v+1 to the rollout side (in memory, after the commit: the rollout side never
       generates with a version that a crash could take back)
       evaluate (every eval_interval)
@@ -15,6 +16,10 @@ through a multiprocessing queue (its feeder thread sends while training goes on)
 
 Iteration ``i`` trains on batch ``i``: one batch per iteration, oldest first, so batch b is
 trained at version b and the rollout side's wait (b - w <= k) is exactly the staleness bound.
+So the slice built from the rows sent is what the lake would give once they landed (every older
+batch is consumed whole; ``tasks.async_batches.batch_slice``), and the rows' append overlaps
+training as in sync mode; a rollout side that dies before its commit fails the iteration before
+the iteration's own commit.
 On a resume the rollout side starts after the newest batch in the lake, at the data position
 committed with it, with the committed weights; batches appended but not trained are trained,
 never regenerated.
@@ -30,6 +35,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 
+import pyarrow as pa
 from prefect import flow
 
 from flows.guards import check_rewards
@@ -42,7 +48,7 @@ from infra.recovery import run_tag
 from infra.runtime import Runtime
 from infra.sides import batches_in_lake, pack_weights
 from rollout.context import rollout_stats_from_commit
-from tasks.async_batches import read_rollout_batch
+from tasks.async_batches import batch_slice, read_rollout_batch
 from tasks.eval import evaluate
 from tasks.train import in_process_weights
 
@@ -66,12 +72,14 @@ def current_api_url() -> str | None:
 
 
 class RolloutProcess:
-    """The training side's handle on the rollout side's process."""
+    """The training side's handle on the rollout side's process: the batches it sent (their
+    rows and stats, as they are being appended) and the Delta versions their commits landed at."""
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
-        self.appended = set(batches_in_lake(rt.lake, rt.run_id))  # a resume finds some
-        self.stats: dict[int, dict[str, float]] = {}
+        self.in_lake = set(batches_in_lake(rt.lake, rt.run_id))  # a resume finds some
+        self.sent: dict[int, tuple[dict[str, float], pa.Table]] = {}
+        self.landed: dict[int, int | None] = {}
         self.proc = None
 
     def start(self, api_url: str | None) -> RolloutProcess:
@@ -105,27 +113,36 @@ class RolloutProcess:
             return
         if message[0] == "error":
             raise RuntimeError(f"run {self.rt.run_id}: the rollout side failed:\n{message[1]}")
-        if message[0] == "appended":
-            self.appended.add(message[1])
-            self.stats[message[1]] = message[2]
+        if message[0] == "rows":
+            self.sent[message[1]] = (message[2], message[3])
+        elif message[0] == "appended":
+            self.landed[message[1]] = message[2]
         self.last_message = time.monotonic()
 
-    def wait_for_batch(self, batch: int) -> None:
-        """Block until rollout batch ``batch`` is in the lake (messages are read as they come)."""
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        """Read messages as they come until ``ready()``."""
         self.last_message = time.monotonic()
         while True:
-            self._receive(timeout=0.0 if batch in self.appended else 0.5)
-            if batch in self.appended:
+            self._receive(timeout=0.0 if ready() else 0.5)
+            if ready():
                 return
             if time.monotonic() - self.last_message > SILENCE_LIMIT_S:
                 raise RuntimeError(f"run {self.rt.run_id}: no word from the rollout side for "
-                                   f"{SILENCE_LIMIT_S:.0f} s while waiting for batch {batch}")
+                                   f"{SILENCE_LIMIT_S:.0f} s while waiting for {what}")
+
+    def wait_for_batch(self, batch: int) -> None:
+        """Block until rollout batch ``batch``'s rows were sent (or it was in the lake before)."""
+        self._wait(lambda: batch in self.sent or batch in self.in_lake, f"batch {batch}")
+
+    def wait_landed(self, batch: int) -> int | None:
+        """Block until batch ``batch``'s lake commit landed; its Delta version (None: no new
+        rows). A rollout side that died before it raises here."""
+        self._wait(lambda: batch in self.landed, f"batch {batch}'s lake commit")
+        return self.landed.pop(batch)
 
     def batch_stats(self, batch: int) -> dict[str, float]:
-        """The batch's rollout stats: from its message, or (appended before a resume) from the
-        lake commit that holds its rows."""
-        if batch in self.stats:
-            return self.stats.pop(batch)
+        """The rollout stats of a batch appended before this process (from the lake commit that
+        holds its rows)."""
         info = self.rt.lake.trajectory_commit_info(self.rt.run_id, batch)
         return rollout_stats_from_commit(info) or {}
 
@@ -160,11 +177,15 @@ def train_iteration(rt: Runtime, producer: RolloutProcess, iteration: int) -> di
     rt.seed_iteration(iteration)
     with phase(timings, "wait_rollout"):
         producer.wait_for_batch(iteration)
-    fault_point("after_lake_append")
-    stats = producer.batch_stats(iteration)
+    if iteration in producer.sent:  # sent by this process's rollout side, still committing
+        stats, rows = producer.sent.pop(iteration)
+        reader = partial(_slice_of_sent, rows=rows, batch=iteration, producer=producer)
+    else:  # appended before this process started (a resume): the lake has it
+        fault_point("after_lake_append")
+        stats = producer.batch_stats(iteration)
+        reader = partial(_read_batch, batch=iteration)
     # the rollout side's own phase times, kept apart from the training side's time/*
     stats = {k.replace("time/", "rollout/time_"): v for k, v in stats.items()}
-    reader = partial(_read_batch, batch=iteration)
     metrics = train_and_commit(rt, iteration, base_version, stats, timings, read_slice=reader)
     if iteration + 1 < rt.cfg.num_rollout:  # the rollout side has no batch left after
         producer.hand_off(rt.trainer.weight_version)
@@ -177,6 +198,19 @@ def train_iteration(rt: Runtime, producer: RolloutProcess, iteration: int) -> di
 
 def _read_batch(rt: Runtime, weight_version: int, batch: int):
     return read_rollout_batch(rt, weight_version, batch)
+
+
+def _slice_of_sent(rt: Runtime, weight_version: int, rows: pa.Table, batch: int,
+                   producer: RolloutProcess) -> tuple[pa.Table, Callable[[], int | None]]:
+    """Batch ``batch``'s slice from the rows the rollout side sent (``batch_slice``); the commit
+    version comes once their append landed, which the step's own commit waits for."""
+    def landed() -> int | None:
+        version = producer.wait_landed(batch)
+        fault_point("after_lake_append")
+        return rt.lake.table_version("trajectories") if version is None else version
+
+    k = rt.cfg.trainer.max_staleness
+    return batch_slice(rows, weight_version, k, batch, rt.run_id), landed
 
 
 @contextmanager

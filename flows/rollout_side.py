@@ -3,8 +3,10 @@
     loop b = next batch (from the lake) .. num_rollout - 1:
         take the newest weights the training side sent (version w)
         wait while b - w > k                      (AReaL's bound: batch b is trained at version b)
-        rollout_batch(b)  -> lake commit          (a Prefect task run tagged rlake-batch:b)
-        tell the training side "b appended"
+        rollout_batch(b)                          (a Prefect task run named rollout_batch-b)
+          generate -> score -> send the rows to the training side ("rows", b, stats, rows)
+          -> lake commit                          (the training side trains meanwhile)
+        tell the training side "b appended" at Delta version n
 
 Batch b is the one training iteration b consumes (oldest first, one batch per iteration), so the
 wait keeps every trained sample within k versions of the trainer, after a resume too: the next
@@ -96,15 +98,21 @@ def produce(side, mailbox: Mailbox, outbox, stop_at: int) -> None:
             side.load_weights(mailbox.payload, mailbox.version)
             mailbox.payload = None
         side.seed_batch(batch)
+
+        def send_rows(stats: dict, rows, batch: int = batch) -> None:
+            outbox.put(("rows", batch, stats, rows))
+
         # named after its batch, untagged (flows.prefetch.untagged says why)
-        stats = rollout_batch.with_options(task_run_name=batch_run_name(batch))(side, batch)
-        outbox.put(("appended", batch, stats))
+        _, lake_version = rollout_batch.with_options(task_run_name=batch_run_name(batch))(
+            side, batch, send_rows)
+        outbox.put(("appended", batch, lake_version))
         batch += 1
 
 
 def rollout_process_main(spec: dict[str, Any], inbox, outbox) -> None:
     """Entry of the spawned process: ``spec`` = {config, run_id, version, parent_pid, api_url,
-    run_tag}. Reports ("ready", next batch), ("appended", b, stats), ("error", text)."""
+    run_tag}. Reports ("ready", next batch), ("rows", b, stats, rows), ("appended", b, Delta
+    version or None), ("error", text)."""
     die_with_parent(spec["parent_pid"])
     if spec.get("api_url"):
         os.environ["PREFECT_API_URL"] = spec["api_url"]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from buffer.lake import slice_lake_version
+from buffer.lake import slice_lake_version, slice_of_written
 from infra.runtime import Runtime
 from infra.sides import RolloutSide
 from tasks.rollout import generate_rollouts, rollout_table, score, write_rollout
@@ -17,9 +18,13 @@ from trainers.metrics import rollout_metrics
 
 
 @task(name="rollout_batch", cache_policy=NO_CACHE)
-def rollout_batch(side: RolloutSide, batch: int) -> dict[str, float]:
+def rollout_batch(side: RolloutSide, batch: int,
+                  send_rows: Callable[[dict[str, float], pa.Table], None] | None = None
+                  ) -> tuple[dict[str, float], int | None]:
     """Batch ``batch`` with the engine's current weights: generate -> score -> one lake commit.
-    Returns its stats, which the commit also holds (a resumed trainer reads them from there)."""
+    ``send_rows(stats, rows)`` gets the rows just before they are appended (the training side
+    trains on them while they commit). Returns (stats, the commit's Delta version); the commit
+    holds the stats too (a resumed trainer reads them from there)."""
     start = time.perf_counter()
     out = generate_rollouts.fn(side, batch)
     generated = time.perf_counter()
@@ -29,9 +34,11 @@ def rollout_batch(side: RolloutSide, batch: int) -> dict[str, float]:
     out.stats.update({"rollout/failed": float(failed), "rollout/weight_version":
                       float(side.engine.weight_version), "time/generate": generated - start,
                       "time/score": scored - generated})
-    lake_version = write_rollout.fn(side, rollout_table(side, out, batch), out.commit_info())
-    return {**out.stats, "time/lake_write": time.perf_counter() - scored,
-            "rollout/lake_version": float(-1 if lake_version is None else lake_version)}
+    rows = rollout_table(side, out, batch)
+    if send_rows is not None:
+        send_rows(out.stats, rows)
+    lake_version = write_rollout.fn(side, rows, out.commit_info())
+    return {**out.stats, "time/lake_write": time.perf_counter() - scored}, lake_version
 
 
 @task(name="read_rollout_batch", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
@@ -50,3 +57,20 @@ def read_rollout_batch(rt: Runtime, weight_version: int, batch: int) -> tuple[pa
                            f"expects rollout batch {batch} unconsumed within trainer.max_staleness="
                            f"{k}; unconsumed batches found: {found[:10]}")
     return chosen, slice_lake_version(table)
+
+
+def batch_slice(rows: pa.Table, weight_version: int, max_staleness: int, batch: int,
+                run_id: str) -> pa.Table:
+    """What ``read_rollout_batch`` reads once rollout batch ``batch``'s rows (``rows``, appended
+    by this process's rollout side) landed, built from the rows themselves: their train rows
+    with version >= v - max_staleness, oldest first (``buffer.lake.slice_of_written``). Holds
+    when every older batch was consumed whole, which each iteration ensures: a train row outside
+    the bound is refused here as the lake read refuses it (never silently left behind)."""
+    chosen = slice_of_written(rows, weight_version - max_staleness)
+    train = pc.sum(pc.equal(rows.column("kind"), "train")).as_py() or 0
+    if chosen.num_rows == 0 or chosen.num_rows != train:
+        raise RuntimeError(f"run {run_id}: iteration {batch} at weight version {weight_version} "
+                           f"expects rollout batch {batch}'s train rows within "
+                           f"trainer.max_staleness={max_staleness}; {chosen.num_rows} of its "
+                           f"{train} train rows are")
+    return chosen

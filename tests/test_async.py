@@ -255,7 +255,10 @@ def test_kill9_of_the_rollout_process_fails_the_run_and_resume_completes(server)
     home, url = server
     mark = uuid.uuid4().hex
     log = home / "rollout-crash.log"
-    run = rlake(_args(home, "rollout-crash"), cli_env(url, RLAKE_TEST_MARK=mark), log,
+    # enough iterations that the rollout side (k ahead) cannot have finished its last batch and
+    # exited by the time two batches are seen in the lake
+    n_iter = 20
+    run = rlake(_args(home, "rollout-crash", n_iter), cli_env(url, RLAKE_TEST_MARK=mark), log,
                 background=True)
     lake = Lake(str(home / "lake"))
     end = time.monotonic() + 600  # hang guard: wait for two batches in the lake
@@ -274,7 +277,7 @@ def test_kill9_of_the_rollout_process_fails_the_run_and_resume_completes(server)
 
     done = rlake(["resume", "rollout-crash", "--home", str(home)], cli_env(url), home / "r2.log")
     assert done.returncode == 0, tail(home / "r2.log")
-    _check_bound_and_accounting(*_records(home, "rollout-crash"), N_ITER)
+    _check_bound_and_accounting(*_records(home, "rollout-crash"), n_iter)
 
 
 def _paired_gain(lake: Lake, run_id: str, first: int, last: int) -> tuple[float, float, int]:

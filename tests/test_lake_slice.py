@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 
+import pyarrow as pa
 import pyarrow.compute as pc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -139,3 +140,50 @@ def test_a_slice_of_written_rows_is_the_lake_slice_after_their_append(parts, lo,
         assert built.equals(read, check_metadata=True)
         assert built.num_rows == sum(r["kind"] == "train" and r["weight_version"] >= lo
                                      and (hi is None or r["weight_version"] <= hi) for r in rows)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    parts=st.lists(st.tuples(st.integers(0, 2), st.sampled_from(["train", "filtered", "partial"]),
+                             st.integers(1, 4)), min_size=1, max_size=4).filter(
+        lambda ps: any(kind == "train" for _, kind, _ in ps)),
+    k=st.integers(0, 2), ahead=st.integers(0, 3), seed=st.randoms(use_true_random=False),
+)
+def test_an_async_batch_slice_from_the_rows_sent_is_the_lake_read(parts, k, ahead, seed):
+    """Async mode trains batch b on the rows its rollout side sent (``batch_slice``) while they
+    commit: the same table ``read_rollout_batch`` reads once they landed, with older batches
+    consumed and later ones already appended (the rollout side runs ahead); a train row outside
+    the staleness bound is refused, not left behind."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from buffer.schema import rows_to_table
+    from tasks.async_batches import batch_slice, read_rollout_batch
+
+    v = 5  # the trainer's version at batch 1; rows within the bound are at v - k .. v
+    with tempfile.TemporaryDirectory() as tmp:
+        lake = Lake(tmp)
+        older = synthetic_rows("r", 0, 6, weight_version=v - k)
+        lake.append_trajectories(older)  # batch 0, consumed by iteration 0
+        lake.append_train_step({"run_id": "r", "step": 0, "base_version": v - k,
+                                "weight_version": v - k + 1, "sample_uids": [r["sample_uid"] for r in older]})
+        rows, index = [], 0
+        for lag, kind, n in parts:  # batch 1: kinds and versions mixed, within the bound
+            for row in synthetic_rows("r", 1, n, weight_version=v - min(lag, k), kind=kind):
+                rows.append({**row, "sample_uid": f"r/1/{index}", "sample_index": index})
+                index += 1
+        seed.shuffle(rows)
+        sent = rows_to_table("trajectories", rows)
+        commit = lake.append_trajectories(sent)
+        for later in range(2, 2 + ahead):
+            lake.append_trajectories(synthetic_rows("r", later, 3, weight_version=v))
+        rt = SimpleNamespace(lake=lake, run_id="r", cfg=SimpleNamespace(trainer=SimpleNamespace(max_staleness=k)))
+        read, read_version = read_rollout_batch.fn(rt, v, 1)
+        built = batch_slice(sent, v, k, 1, "r")
+        assert built.equals(read, check_metadata=False)
+        assert built.schema.equals(read.schema, check_metadata=False)
+        assert read_version == commit + ahead
+        stale = rows_to_table("trajectories", [{**rows[0], "kind": "train", "weight_version": v - k - 1}])
+        with pytest.raises(RuntimeError, match="max_staleness"):
+            batch_slice(pa.concat_tables([sent, stale]), v, k, 1, "r")
