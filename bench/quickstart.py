@@ -1,7 +1,11 @@
 """Quickstart benchmark: the per-iteration time split of a short run, and the torch engine's
 generation throughput against transformers' own ``generate``.
 
-    python bench/quickstart.py [--iterations 8]
+    python bench/quickstart.py [--iterations 8] [--no-generation] [--set key=value ...]
+
+``--set model.path=CHECKPOINT --set sft.enabled=false`` starts from a saved SFT checkpoint;
+``--set mode=async --set trainer.max_staleness=1`` splits async mode's training side
+(``wait_rollout``: waiting for the rollout process's batch).
 
 Prints figures, then one JSON line. Timings on a shared 2-core machine are noisy: compare the
 ratios within one run, not absolute seconds across runs.
@@ -21,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infra.env import configure_environment  # noqa: E402
 
-PHASES = ["generate", "score", "lake_write", "slice_read", "train", "publish", "record"]
+PHASES = ["generate", "score", "lake_write", "wait_rollout", "slice_read", "train", "publish", "record"]
 
 
 def engine_vs_generate(batch: int = 64, new_tokens: int = 64, reps: int = 5) -> dict:
@@ -58,7 +62,7 @@ def engine_vs_generate(batch: int = 64, new_tokens: int = 64, reps: int = 5) -> 
             "batch": batch, "new_tokens": new_tokens}
 
 
-def iteration_split(iterations: int) -> dict:
+def iteration_split(iterations: int, overrides: list[str] = ()) -> dict:
     """Run the pipeline (short SFT, ``iterations`` RL iterations) and read the split back from the
     run loop's ``iteration`` events: each carries the iteration's ``time/*`` phases (``record``
     and ``total`` end after the ``train_steps`` row is written, so only the event has them), and
@@ -70,7 +74,7 @@ def iteration_split(iterations: int) -> dict:
     home = tempfile.mkdtemp(prefix="rlake-bench-")
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml",
                       [f"home={home}", f"num_rollout={iterations}", "sft.steps=20",
-                       f"eval.eval_interval={iterations + 1}"])
+                       f"eval.eval_interval={iterations + 1}", *overrides])
     configure_environment(home)
     events: list[tuple[float, dict]] = []
 
@@ -95,13 +99,18 @@ def iteration_split(iterations: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        help="config override, e.g. model.path=CHECKPOINT or mode=async")
+    parser.add_argument("--no-generation", action="store_true",
+                        help="skip the engine vs HF generate comparison")
     args = parser.parse_args()
     configure_environment(tempfile.mkdtemp(prefix="rlake-bench-env-"))
-    gen = engine_vs_generate()
-    print(f"torch engine: {gen['engine_tokens_per_s']:.0f} tok/s, HF generate: "
-          f"{gen['hf_generate_tokens_per_s']:.0f} tok/s -> {gen['engine_speedup']:.2f}x "
-          f"(batch {gen['batch']}, {gen['new_tokens']} new tokens, sampling)")
-    split = iteration_split(args.iterations)
+    gen = {} if args.no_generation else engine_vs_generate()
+    if gen:
+        print(f"torch engine: {gen['engine_tokens_per_s']:.0f} tok/s, HF generate: "
+              f"{gen['hf_generate_tokens_per_s']:.0f} tok/s -> {gen['engine_speedup']:.2f}x "
+              f"(batch {gen['batch']}, {gen['new_tokens']} new tokens, sampling)")
+    split = iteration_split(args.iterations, args.overrides)
     print("per-iteration median seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
     print(json.dumps({"bench": "quickstart", "generation": gen, "iteration_seconds": split}))
 

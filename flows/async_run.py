@@ -39,7 +39,7 @@ import pyarrow as pa
 from prefect import flow
 
 from flows.guards import check_rewards
-from flows.prefetch import IterationRuns
+from flows.prefetch import IterationRuns, ahead
 from flows.rollout_side import batch_tag, rollout_process_main
 from flows.steps import phase, train_and_commit
 from infra.faults import ENV as FAULT_ENV
@@ -237,12 +237,15 @@ def run_async(rt: Runtime, reporter: Callable[[str, dict], None], producer: Roll
         return train_iteration(rt, producer, iteration)
 
     producer.hand_off(rt.trainer.weight_version)
-    last = rt.cfg.num_rollout - 1
-    with IterationRuns(rl_iteration) as runs:  # iteration i+1's run is created during i
+    def parameters(i: int) -> dict:
+        return {"run_id": rt.run_id, "iteration": i}
+
+    def batch_tags(i: int) -> set[str]:  # links the iteration to the batch it trains on
+        return {batch_tag(i)}
+
+    with IterationRuns(rl_iteration) as runs:  # the next iterations' runs are created during i
         for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
-            following = {"run_id": rt.run_id, "iteration": iteration + 1} if iteration < last else None
-            # the batch tag links the iteration to the batch it trains on
-            metrics = runs.run({"run_id": rt.run_id, "iteration": iteration}, following,
-                               extra_tags={batch_tag(iteration)}, next_tags={batch_tag(iteration + 1)})
+            metrics = runs.run(parameters(iteration), batch_tags(iteration),
+                               upcoming=ahead(iteration, rt.cfg.num_rollout, parameters, batch_tags))
             reporter("iteration", {"iteration": iteration, **metrics})
             check_rewards(rt, iteration, metrics)

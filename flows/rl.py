@@ -37,7 +37,7 @@ from flows.durability import (
 )
 from flows.durability import update_run_row as _update_run
 from flows.guards import check_rewards
-from flows.prefetch import IterationRuns
+from flows.prefetch import IterationRuns, ahead
 from flows.steps import phase, train_and_commit
 from infra.config import RunConfig, config_from_dict
 from infra.faults import fault_point, set_iteration
@@ -172,12 +172,14 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
 
 def run_sync(rt: Runtime, reporter) -> None:
     """Iterations ``rt.start_iteration .. num_rollout - 1``, one ``rl_iteration`` flow run each;
-    iteration i+1's run is created while iteration i runs (flows/prefetch.py)."""
-    last = rt.cfg.num_rollout - 1
+    the next iterations' runs are created while iteration i runs (flows/prefetch.py)."""
+    def parameters(i: int) -> dict:
+        return {"run_id": rt.run_id, "iteration": i}
+
     with IterationRuns(rl_iteration) as runs:
         for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
-            following = {"run_id": rt.run_id, "iteration": iteration + 1} if iteration < last else None
-            metrics = runs.run({"run_id": rt.run_id, "iteration": iteration}, following)
+            metrics = runs.run(parameters(iteration),
+                               upcoming=ahead(iteration, rt.cfg.num_rollout, parameters))
             reporter("iteration", {"iteration": iteration, **metrics})
             check_rewards(rt, iteration, metrics)
 

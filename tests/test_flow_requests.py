@@ -60,7 +60,7 @@ home = set_environment(os.path.dirname(os.environ["PREFECT_HOME"]))
 server = EmbeddedServer.start(home)
 server.wait()
 from prefect import flow
-from flows.prefetch import IterationRuns
+from flows.prefetch import IterationRuns, ahead
 from bench.flow_requests import flow_run_states
 
 @flow(name="child")
@@ -74,7 +74,7 @@ def parent() -> list:
     out = []
     with IterationRuns(child) as runs:
         for i in range(5):
-            out.append(runs.run({"i": i}, {"i": i + 1}))
+            out.append(runs.run({"i": i}, upcoming=ahead(i, 5, lambda j: {"i": j})))
     return out
 
 try:
@@ -89,7 +89,7 @@ finally:
 
 
 def test_a_failed_iteration_leaves_no_run_created_ahead(tmp_path):
-    """Iteration 2 fails while iteration 3's run exists already: that run is deleted, so the
-    child runs are exactly 0, 1 (Completed) and 2 (Failed)."""
+    """Iteration 2 fails while the runs of iterations 3 and 4 exist already (``RUNS_AHEAD``):
+    they are deleted, so the child runs are exactly 0, 1 (Completed) and 2 (Failed)."""
     stdout = _run(["-c", FAILING_PARENT], tmp_path)
     assert json.loads(stdout.strip().splitlines()[-1]) == {"COMPLETED": 2, "FAILED": 1}, stdout
