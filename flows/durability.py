@@ -112,15 +112,18 @@ def register_missing_versions(rt: Runtime) -> list[int]:
 
 
 def recover(rt: Runtime, own_flow_run: str | None) -> dict:
-    """After a crash: stop the dead process's Prefect server, delete the flow run it created
-    ahead for its next iteration (never started), mark its other flow runs Crashed, and
+    """After a crash: stop the dead process's Prefect server, delete the flow runs it created
+    ahead for its next iterations (never started), mark its other flow runs Crashed, and
     re-do the post-commit work it lost (MLflow metrics, model versions). Returns what it did."""
     done = {"stopped_servers": [], "deleted_prefetched_runs": [], "crashed_flow_runs": [],
             "relogged": [], "registered": []}
     home = os.environ.get("PREFECT_HOME")
     if home:
         done["stopped_servers"] = stop_processes(orphan_servers(home))
-    done["deleted_prefetched_runs"] = delete_prefetched(rt.run_id)  # before: never started
+    committed = set(rt.lake.read("train_steps", run_id=rt.run_id, columns=["iteration"])
+                    .column("iteration").to_pylist())
+    # before mark_crashed: never started (a committed iteration's run did, whatever its state)
+    done["deleted_prefetched_runs"] = delete_prefetched(rt.run_id, committed)
     done["crashed_flow_runs"] = mark_crashed(rt.run_id, exclude={own_flow_run} if own_flow_run else None)
     done["relogged"] = relog_missing_metrics(rt)
     done["registered"] = register_missing_versions(rt)

@@ -5,8 +5,10 @@
   is gone, ``stop_processes`` ends them by PID.
 - The dead process's flow runs stay RUNNING: ``mark_crashed`` sets every RUNNING flow run tagged
   with the rlake run (``run_tag``) to Crashed.
-- A flow run the dead process created ahead of time for its next iteration never started
-  (Pending, named ``PREFETCHED``): ``delete_prefetched`` deletes it rather than mark it Crashed.
+- A flow run the dead process created ahead of time for a next iteration never started
+  (Pending, named ``PREFETCHED``): ``delete_prefetched`` deletes it rather than mark it Crashed,
+  unless the lake says its iteration committed (its Running state, sent from a background
+  thread, was lost with the process): that one is marked Crashed like the others.
 - Two processes must not drive one run: ``claim_run`` writes ``owner.pid`` in the run folder and
   refuses when a live process already holds it.
 """
@@ -166,10 +168,12 @@ def mark_crashed(run_id: str, exclude: set[str] | None = None) -> list[str]:
     return marked
 
 
-def delete_prefetched(run_id: str) -> list[str]:
+def delete_prefetched(run_id: str, committed: set[int] = frozenset()) -> list[str]:
     """Delete the flow runs tagged ``run_tag(run_id)`` that were created ahead of their iteration
     and never started (Pending, named ``PREFETCHED``), and the parent's task runs that stood
-    for them. Returns their ids."""
+    for them. Returns their ids. A run whose iteration is in ``committed`` (the lake says it
+    ran: its Running state was still queued when the process died) is kept, for
+    ``mark_crashed``."""
     from prefect import get_client
     from prefect.client.schemas.filters import (
         FlowRunFilter,
@@ -184,6 +188,8 @@ def delete_prefetched(run_id: str) -> list[str]:
     with get_client(sync_client=True) as client:
         for fr in client.read_flow_runs(flow_run_filter=flt):
             if fr.state_type is not None and fr.state_type.value != "PENDING":
+                continue
+            if fr.parameters.get("iteration") in committed:
                 continue
             delete_with_tracker(client, fr)
             deleted.append(str(fr.id))
