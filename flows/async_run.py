@@ -41,7 +41,7 @@ from prefect import flow
 from flows.guards import check_rewards
 from flows.prefetch import IterationRuns, ahead
 from flows.rollout_side import batch_tag, rollout_process_main
-from flows.steps import phase, train_and_commit
+from flows.steps import landed, phase, train_and_commit
 from infra.faults import ENV as FAULT_ENV
 from infra.faults import fault_point, set_iteration
 from infra.recovery import run_tag
@@ -204,13 +204,9 @@ def _slice_of_sent(rt: Runtime, weight_version: int, rows: pa.Table, batch: int,
                    producer: RolloutProcess) -> tuple[pa.Table, Callable[[], int | None]]:
     """Batch ``batch``'s slice from the rows the rollout side sent (``batch_slice``); the commit
     version comes once their append landed, which the step's own commit waits for."""
-    def landed() -> int | None:
-        version = producer.wait_landed(batch)
-        fault_point("after_lake_append")
-        return rt.lake.table_version("trajectories") if version is None else version
-
     k = rt.cfg.trainer.max_staleness
-    return batch_slice(rows, weight_version, k, batch, rt.run_id), landed
+    return (batch_slice(rows, weight_version, k, batch, rt.run_id),
+            partial(landed, rt, partial(producer.wait_landed, batch)))
 
 
 @contextmanager

@@ -3,8 +3,8 @@
 A subflow call makes Prefect send, before the flow function starts: the parent flow run's
 tracking task run, a look-up of an existing subflow run, the flow, the flow run (4 round trips,
 plus a CSRF token). ``IterationRuns`` sends the same records for the next iterations (i+1, and
-i+2 as a spare: ``RUNS_AHEAD``) from a background thread while iteration i runs, and runs each iteration with Prefect's own engine on the
-pre-created flow run (``prefect.flow_engine.run_flow(flow, flow_run=...)``): the iteration is
+i+2 as a spare: ``RUNS_AHEAD``) from a background thread while iteration i runs, and runs each
+iteration with Prefect's own engine on the pre-created flow run (``prefect.flow_engine.run_flow(flow, flow_run=...)``): the iteration is
 the same flow run, a child of the run's flow run, with its tags, states, task runs and logs.
 
     with IterationRuns(rl_iteration) as runs:          # inside the rl_run flow

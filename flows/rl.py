@@ -23,7 +23,6 @@ from __future__ import annotations
 import time
 
 from prefect import flow, tags
-from prefect.futures import PrefectFuture
 from prefect.settings import temporary_settings
 from prefect.utilities.annotations import quote
 
@@ -38,7 +37,7 @@ from flows.durability import (
 from flows.durability import update_run_row as _update_run
 from flows.guards import check_rewards
 from flows.prefetch import IterationRuns, ahead
-from flows.steps import phase, train_and_commit
+from flows.steps import landed, phase, train_and_commit
 from infra.config import RunConfig, config_from_dict
 from infra.faults import fault_point, set_iteration
 from infra.recovery import run_tag
@@ -94,9 +93,9 @@ def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
         # (each step consumes its whole slice), the slice is this rollout's own rows: train
         # while they commit
         if iteration > rt.start_iteration:
-            read_slice = written_slice(rows, lambda: landed(rt, written))
+            read_slice = written_slice(rows, lambda: landed(rt, written.result))
         else:
-            landed(rt, written)
+            landed(rt, written.result)
     stats = {**rollout_metrics(samples, timings["generate"]), "rollout/failed": float(failed),
              **rollout_stats}
     metrics = train_and_commit(rt, iteration, base_version, stats, timings, read_slice)
@@ -105,14 +104,6 @@ def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
     if (iteration + 1) % rt.cfg.eval.eval_interval == 0 or iteration + 1 == rt.cfg.num_rollout:
         metrics["eval/accuracy"] = evaluate(rt, iteration + 1)["accuracy"]
     return metrics
-
-
-def landed(rt: Runtime, written: PrefectFuture) -> int | None:
-    """The Delta version of the iteration's trajectories commit once it has landed (a write that
-    failed after its retries raises here, before anything trained on it is committed)."""
-    version = written.result()
-    fault_point("after_lake_append")
-    return rt.lake.table_version("trajectories") if version is None else version
 
 
 @flow(name="rl_run")

@@ -35,6 +35,15 @@ def phase(timings: dict[str, float], name: str):
     timings[name] = time.perf_counter() - start
 
 
+def landed(rt: Runtime, append_version: Callable[[], int | None]) -> int | None:
+    """The Delta version of an iteration's trajectories append once it has landed:
+    ``append_version()`` waits for it (a failed append raises there, before anything trained on
+    its rows is committed); None (no new rows) reads the table's version."""
+    version = append_version()
+    fault_point("after_lake_append")
+    return rt.lake.table_version("trajectories") if version is None else version
+
+
 def train_step_row(rt: Runtime, iteration: int, base_version: int, new_version: int,
                    lake_version: int, training_slice: pa.Table, train_metrics: dict[str, float],
                    metrics: dict[str, float], timings: dict[str, float]) -> dict:
