@@ -15,8 +15,9 @@ the same flow run, a child of the run's flow run, with its tags, states, task ru
 A pre-created run waits in state Pending named ``PREFETCHED`` until its iteration takes it. One
 never taken (the run stopped, failed or ended early) is deleted on exit; after a kill -9 the
 resume deletes it (``infra.recovery.delete_prefetched``), so no run that never started is left
-behind, nor marked Crashed. A run still Pending whose iteration the lake holds as committed
-did run (its Running state was queued when the process died): resume marks it Crashed.
+behind, nor marked Crashed. A run still Pending whose iteration the lake holds as committed,
+or that has task runs, did run (its Running state was queued when the process died): resume
+marks it Crashed.
 
 An iteration on a pre-created run waits for no request either: the engine's own writes for it
 (Running, then Completed or Failed) go to the same background thread, in order, and the engine

@@ -171,12 +171,17 @@ def mark_crashed(run_id: str, exclude: set[str] | None = None) -> list[str]:
 def delete_prefetched(run_id: str, committed: set[int] = frozenset()) -> list[str]:
     """Delete the flow runs tagged ``run_tag(run_id)`` that were created ahead of their iteration
     and never started (Pending, named ``PREFETCHED``), and the parent's task runs that stood
-    for them. Returns their ids. A run whose iteration is in ``committed`` (the lake says it
-    ran: its Running state was still queued when the process died) is kept, for
-    ``mark_crashed``."""
+    for them. Returns their ids.
+
+    A run that did start but whose Running state was still queued on the dead process's
+    background thread is still Pending ``PREFETCHED``; it is kept, for ``mark_crashed``, when
+    its iteration is in ``committed`` (the lake says it ran) or when it has task runs (Prefect
+    says it ran: their records travel apart from the run's states). Deleting it would delete
+    its task runs with it (the server cascades)."""
     from prefect import get_client
     from prefect.client.schemas.filters import (
         FlowRunFilter,
+        FlowRunFilterId,
         FlowRunFilterState,
         FlowRunFilterStateName,
         FlowRunFilterTags,
@@ -186,13 +191,17 @@ def delete_prefetched(run_id: str, committed: set[int] = frozenset()) -> list[st
                         state=FlowRunFilterState(name=FlowRunFilterStateName(any_=[PREFETCHED])))
     deleted = []
     with get_client(sync_client=True) as client:
-        for fr in client.read_flow_runs(flow_run_filter=flt):
-            if fr.state_type is not None and fr.state_type.value != "PENDING":
-                continue
-            if fr.parameters.get("iteration") in committed:
-                continue
-            delete_with_tracker(client, fr)
-            deleted.append(str(fr.id))
+        waiting = [fr for fr in client.read_flow_runs(flow_run_filter=flt)
+                   if (fr.state_type is None or fr.state_type.value == "PENDING")
+                   and fr.parameters.get("iteration") not in committed]
+        if not waiting:
+            return deleted
+        started = {t.flow_run_id for t in client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id for fr in waiting])))}
+        for fr in waiting:
+            if fr.id not in started:
+                delete_with_tracker(client, fr)
+                deleted.append(str(fr.id))
     return deleted
 
 

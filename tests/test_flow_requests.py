@@ -93,3 +93,49 @@ def test_a_failed_iteration_leaves_no_run_created_ahead(tmp_path):
     they are deleted, so the child runs are exactly 0, 1 (Completed) and 2 (Failed)."""
     stdout = _run(["-c", FAILING_PARENT], tmp_path)
     assert json.loads(stdout.strip().splitlines()[-1]) == {"COMPLETED": 2, "FAILED": 1}, stdout
+
+
+# a dead process's runs created ahead, as resume finds them: all Pending ``PREFETCHED`` (their
+# Running states were still queued); iteration 3 had started tasks, 4 had not, 5 was committed
+DEAD_PROCESS_RUNS = """
+import json, os
+from infra.env import set_environment
+from infra.prefect_server import EmbeddedServer
+home = set_environment(os.path.dirname(os.environ["PREFECT_HOME"]))
+server = EmbeddedServer.start(home)
+server.wait()
+from prefect import flow, get_client, task
+from prefect.states import Pending
+from infra.recovery import PREFETCHED, delete_prefetched, mark_crashed, run_tag
+
+@flow(name="rl_iteration")
+def rl_iteration(iteration: int) -> int:
+    return iteration
+
+@task(name="generate_rollouts")
+def generate_rollouts() -> None:
+    pass
+
+try:
+    with get_client(sync_client=True) as client:
+        runs = {i: client.create_flow_run(flow=rl_iteration, parameters={"iteration": i},
+                                          state=Pending(name=PREFETCHED), tags=[run_tag("r")])
+                for i in (3, 4, 5)}
+        client.create_task_run(task=generate_rollouts, flow_run_id=runs[3].id,
+                               dynamic_key="0", state=Pending())
+        deleted = delete_prefetched("r", committed={5})
+        mark_crashed("r")
+        left = {str(fr.parameters["iteration"]): fr.state.type.value
+                for fr in client.read_flow_runs()}
+    print(json.dumps({"deleted": deleted == [str(runs[4].id)], "left": left}))
+finally:
+    server.stop()
+"""
+
+
+def test_resume_deletes_only_the_runs_created_ahead_that_never_started(tmp_path):
+    """A run created ahead whose iteration started (task runs recorded, or committed in the
+    lake) while its Running state was still queued is marked Crashed, with its task runs; one
+    that never started is deleted (CI caught the started one deleted: test_resume_reuse)."""
+    out = json.loads(_run(["-c", DEAD_PROCESS_RUNS], tmp_path).strip().splitlines()[-1])
+    assert out == {"deleted": True, "left": {"3": "CRASHED", "5": "CRASHED"}}, out
