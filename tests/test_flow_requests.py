@@ -52,13 +52,16 @@ def test_an_iteration_waits_for_no_prefect_request(tmp_path):
 
 # rlake's embedded server (its database from the cached template), as a run gets it: Prefect's
 # own temporary server would migrate a fresh database first (a minute under load)
-FAILING_PARENT = """
-import json, os, sys
+START_SERVER = """
+import json, os
 from infra.env import set_environment
 from infra.prefect_server import EmbeddedServer
 home = set_environment(os.path.dirname(os.environ["PREFECT_HOME"]))
 server = EmbeddedServer.start(home)
 server.wait()
+"""
+
+FAILING_PARENT = START_SERVER + """
 from prefect import flow
 from flows.prefetch import IterationRuns, ahead
 from bench.flow_requests import flow_run_states
@@ -97,13 +100,7 @@ def test_a_failed_iteration_leaves_no_run_created_ahead(tmp_path):
 
 # a dead process's runs created ahead, as resume finds them: all Pending ``PREFETCHED`` (their
 # Running states were still queued); iteration 3 had started tasks, 4 had not, 5 was committed
-DEAD_PROCESS_RUNS = """
-import json, os
-from infra.env import set_environment
-from infra.prefect_server import EmbeddedServer
-home = set_environment(os.path.dirname(os.environ["PREFECT_HOME"]))
-server = EmbeddedServer.start(home)
-server.wait()
+DEAD_PROCESS_RUNS = START_SERVER + """
 from prefect import flow, get_client, task
 from prefect.states import Pending
 from infra.recovery import PREFETCHED, delete_prefetched, mark_crashed, run_tag
