@@ -79,11 +79,19 @@ def register_version(rt: Runtime, version: int, iteration: int | None, lake_vers
     rt.tracker.defer(lambda: rt.tracker.register_weight_version(rt.run_id, version, tags))
 
 
-def relog_missing_metrics(rt: Runtime) -> list[int]:
-    """Re-log to MLflow the metrics of committed iterations a crash kept from being logged (the
-    train_steps row holds them: ``metrics`` and ``timings`` JSON). Returns those iterations."""
-    steps = rt.lake.read("train_steps", run_id=rt.run_id,
-                         columns=["iteration", "metrics", "timings"]).to_pylist()
+# what resume needs of the run's train_steps rows (read once, ``committed_steps``)
+STEP_COLUMNS = ["iteration", "weight_version", "lake_version", "n_samples", "metrics", "timings"]
+
+
+def committed_steps(rt: Runtime) -> list[dict]:
+    """The run's train_steps rows (``STEP_COLUMNS``): what the lake holds as committed."""
+    return rt.lake.read("train_steps", run_id=rt.run_id, columns=STEP_COLUMNS).to_pylist()
+
+
+def relog_missing_metrics(rt: Runtime, steps: list[dict]) -> list[int]:
+    """Re-log to MLflow the metrics of committed iterations (``steps``: ``committed_steps``) a
+    crash kept from being logged (the train_steps row holds them: ``metrics`` and ``timings``
+    JSON). Returns those iterations."""
     logged = rt.tracker.logged_steps("weight_version")
     missing = [s for s in steps if s["iteration"] not in logged]
     for s in missing:
@@ -94,11 +102,10 @@ def relog_missing_metrics(rt: Runtime) -> list[int]:
     return sorted(s["iteration"] for s in missing)
 
 
-def register_missing_versions(rt: Runtime) -> list[int]:
-    """Register committed weight versions missing from the MLflow registry."""
+def register_missing_versions(rt: Runtime, steps: list[dict]) -> list[int]:
+    """Register committed weight versions (``steps``: ``committed_steps``) missing from the
+    MLflow registry."""
     done = rt.tracker.registered_weight_versions(rt.run_id)
-    steps = rt.lake.read("train_steps", run_id=rt.run_id,
-                         columns=["iteration", "weight_version", "lake_version", "n_samples"]).to_pylist()
     added = []
     if 0 not in done and rt.checkpoint_dir(0).exists():
         register_version(rt, 0, None, None, 0)
@@ -120,13 +127,12 @@ def recover(rt: Runtime, own_flow_run: str | None) -> dict:
     home = os.environ.get("PREFECT_HOME")
     if home:
         done["stopped_servers"] = stop_processes(orphan_servers(home))
-    committed = set(rt.lake.read("train_steps", run_id=rt.run_id, columns=["iteration"])
-                    .column("iteration").to_pylist())
+    steps = committed_steps(rt)
     # before mark_crashed: never started (a committed iteration's run did, whatever its state)
-    done["deleted_prefetched_runs"] = delete_prefetched(rt.run_id, committed)
+    done["deleted_prefetched_runs"] = delete_prefetched(rt.run_id, {s["iteration"] for s in steps})
     done["crashed_flow_runs"] = mark_crashed(rt.run_id, exclude={own_flow_run} if own_flow_run else None)
-    done["relogged"] = relog_missing_metrics(rt)
-    done["registered"] = register_missing_versions(rt)
+    done["relogged"] = relog_missing_metrics(rt, steps)
+    done["registered"] = register_missing_versions(rt, steps)
     done["removed_stale_checkpoints"] = remove_stale_checkpoints(rt)
     done["rebuilt"] = rebuild_committed(rt)
     rt.tracker.set_tags({"rlake.last_resume": json.dumps(done)})
