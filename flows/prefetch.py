@@ -20,10 +20,10 @@ or that has task runs, did run (its Running state was queued when the process di
 marks it Crashed.
 
 An iteration on a pre-created run waits for no request either: the engine's own writes for it
-(Running, then Completed or Failed) go to the same background thread, in order, and the engine
-goes on as if the server had accepted them (``_ReportingClient``); its read of the run is
-answered from its own copy, its update of the run (the values the run was created with) is
-dropped. A state change costs the server ~40-50 ms here (orchestration rules over SQLite): the
+(Running, then Completed or Failed) go to the same background thread, in order and ahead of
+the creations queued there (``Writer``), and the engine goes on as if the server had accepted
+them (``_ReportingClient``); its read of the run is answered from its own copy, its update of
+the run (the values the run was created with) is dropped. A state change costs the server ~40-50 ms here (orchestration rules over SQLite): the
 4 requests an iteration waited for took ~0.13-0.17 s of its ~0.5-0.6 s (2026-11-25,
 docs/operations.md). One thread sends all of them, so no two of rlake's writes meet at the
 server's SQLite (a collision there costs a 2 s client retry).
@@ -36,9 +36,12 @@ after they happen, stamped by the server when they land).
 
 from __future__ import annotations
 
+import itertools
 import logging
+import queue
+import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 from uuid import uuid4
@@ -152,6 +155,45 @@ def run_reported(flow: Flow, flow_run: FlowRun, parameters: dict[str, Any],
     return engine.result()
 
 
+class Writer:
+    """One background thread that runs the calls submitted to it, ``urgent`` ones first: a
+    running iteration's own states go before run creations and deletions queued earlier (a
+    creation is 2 requests, ~0.1 s, longer while the server is busy), so a kill -9 a moment
+    after an iteration started rarely finds its Running still queued. Each lane runs in
+    submission order; one thread, so no two writes meet at the server's SQLite."""
+
+    URGENT, LATER, STOP = 0, 1, 2
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, urgent: bool = False) -> Future:
+        """Queue ``fn(*args)``; its future holds the result or the exception."""
+        future: Future = Future()
+        self._queue.put((self.URGENT if urgent else self.LATER, next(self._order), fn, args, future))
+        return future
+
+    def shutdown(self) -> None:
+        """Run everything queued, then stop the thread."""
+        self._queue.put((self.STOP, next(self._order), None, (), None))
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            _, _, fn, args, future = self._queue.get()
+            if fn is None:
+                return
+            if not future.set_running_or_notify_cancel():  # cancelled while queued
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
+                future.set_exception(exc)
+
+
 # flow runs kept created ahead: the next iteration's, and one spare, so that a slow answer of
 # the server (it is busy with the other process's records in async mode) is absorbed by a
 # whole iteration instead of stalling the next one (measured 2026-11-25: with one ahead, the
@@ -172,10 +214,10 @@ class IterationRuns:
 
     def __init__(self, flow: Flow) -> None:
         # the next run is created once this one is Running (``_running``): its creation is
-        # queued behind this run's Running, never between this run's writes
+        # queued after this run's Running, and waits for every state queued later (``Writer``)
         self.flow = flow.with_options(on_running=[*flow.on_running_hooks, self._running])
         self._next: list[tuple[dict[str, Any], set[str] | None]] = []
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: Writer | None = None
         self._client = None
         self._pending: dict[tuple, Future] = {}
         self._parent = None
@@ -186,7 +228,7 @@ class IterationRuns:
         ctx = FlowRunContext.get()
         self._parent = ctx.flow_run if ctx is not None else None
         if self._parent is not None:  # outside a flow run there is nothing to attach runs to
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlake-prefetch")
+            self._pool = Writer("rlake-prefetch")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -235,8 +277,9 @@ class IterationRuns:
             self.prefetch(parameters, extra_tags)
 
     def _send(self, write: Callable[[SyncPrefectClient], Any]) -> None:
-        """Queue ``write(client)`` for the background thread, after everything queued before."""
-        self._pool.submit(self._write, write)
+        """Queue ``write(client)`` for the background thread, after the writes queued before,
+        ahead of the creations and deletions queued (``Writer``)."""
+        self._pool.submit(self._write, write, urgent=True)
 
     def close(self) -> None:
         """Let the queued writes land; delete the runs created and never taken; stop the

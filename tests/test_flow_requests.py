@@ -136,3 +136,35 @@ def test_resume_deletes_only_the_runs_created_ahead_that_never_started(tmp_path)
     that never started is deleted (CI caught the started one deleted: test_resume_reuse)."""
     out = json.loads(_run(["-c", DEAD_PROCESS_RUNS], tmp_path).strip().splitlines()[-1])
     assert out == {"deleted": True, "left": {"3": "CRASHED", "5": "CRASHED"}}, out
+
+
+def test_the_writer_sends_an_iterations_states_before_the_creations_queued_earlier():
+    """``flows.prefetch.Writer``: while one call runs, two creations and then two states are
+    queued; the states go first, each lane in its order, on the one named thread."""
+    import threading
+
+    from flows.prefetch import Writer
+
+    ran: list[tuple[str, str]] = []
+    busy, release = threading.Event(), threading.Event()
+
+    def call(name: str) -> str:
+        ran.append((name, threading.current_thread().name))
+        if name == "in flight":
+            busy.set()
+            release.wait(30)
+        return name
+
+    writer = Writer("rlake-prefetch")
+    first = writer.submit(call, "in flight")
+    assert busy.wait(30)
+    later = [writer.submit(call, f"create {i}") for i in (1, 2)]
+    cancelled = writer.submit(call, "create 3")
+    urgent = [writer.submit(call, state, urgent=True) for state in ("Running", "Completed")]
+    assert cancelled.cancel()
+    release.set()
+    assert [f.result(30) for f in (first, *urgent, *later)] == [
+        "in flight", "Running", "Completed", "create 1", "create 2"]
+    writer.shutdown()
+    assert [name for name, _ in ran] == ["in flight", "Running", "Completed", "create 1", "create 2"]
+    assert {thread for _, thread in ran} == {"rlake-prefetch"}
