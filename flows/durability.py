@@ -76,7 +76,7 @@ def register_version(rt: Runtime, version: int, iteration: int | None, lake_vers
     saved = rt.checkpoint_dir(version).exists() if saved is None else saved
     tags = {"iteration": "sft" if iteration is None else iteration, "lake_version": lake_version,
             "sample_count": n_samples, "checkpoint": str(rt.checkpoint_dir(version)) if saved else ""}
-    rt.tracker.defer(lambda: rt.tracker.register_weight_version(rt.run_id, version, tags))
+    rt.tracker.register_weight_version_later(rt.run_id, version, tags)
 
 
 # what resume needs of the run's train_steps rows (read once, ``committed_steps``)
@@ -194,6 +194,8 @@ def close_runtime(rt: Runtime) -> None:
         for scorer in [rt.reward_fn, *(e.scorer for e in getattr(rt, "eval_sets", None) or [])]:
             if hasattr(scorer, "close"):  # custom reward functions' worker processes
                 scorer.close()
+        if hasattr(rt.tracker, "close"):  # the MLflow helper process (infra.tracker_process)
+            rt.tracker.close()
         RUNTIMES.pop(rt.run_id, None)
 
 

@@ -20,6 +20,7 @@ from infra.config import RunConfig, config_from_dict
 from infra.modeling import build_tiny_model, load_tokenizer, placement
 from infra.sides import RolloutSide
 from infra.startup import new_run_id  # noqa: F401 - re-exported (flows.replay)
+from infra.tracker_process import TrackerProcess
 from infra.tracking import Tracker
 from rollout.data import PromptDataset
 from rollout.engine import RolloutEngine, SamplingParams
@@ -63,7 +64,7 @@ class Runtime:
     reward_fn = _OnRolloutSide()
     rollout = _OnRolloutSide()
 
-    def __init__(self, cfg: RunConfig, run_id: str, home: Path, lake: Lake, tracker: Tracker,
+    def __init__(self, cfg: RunConfig, run_id: str, home: Path, lake: Lake, tracker: Tracker | TrackerProcess,
                  tokenizer, dataset: PromptDataset, held_out: list[dict], reward_fn) -> None:
         self.cfg, self.run_id, self.home, self.lake, self.tracker = cfg, run_id, home, lake, tracker
         self.rollout_side = RolloutSide(cfg, run_id, lake, None, tokenizer, dataset)
@@ -221,10 +222,11 @@ def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False
     seed_everything(cfg.seed)
     run_dir = home / "runs" / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
+    # first: MLflow's import and store open in their own process while this one loads the rest
+    tracker = TrackerProcess(home)
     base = _base_model_dir(cfg, run_dir)
     tokenizer = load_tokenizer(base)
     dataset, held_out = _task_data(cfg, tokenizer)
-    tracker = Tracker(home)
     rt = Runtime(cfg=cfg, run_id=run_id, home=home, lake=lake, tracker=tracker,
                  tokenizer=tokenizer, dataset=dataset, held_out=held_out, reward_fn=None)
     attach_rollout(rt)  # rewards, rollout/eval functions, eval sets, data position

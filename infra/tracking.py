@@ -17,11 +17,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-from mlflow.entities import Metric, Param, RunTag
-from mlflow.tracking import MlflowClient
+from typing import TYPE_CHECKING
 
 from infra import db_template
+
+if TYPE_CHECKING:  # imported where used: infra.tracker_process imports this module without them
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
 
 EXPERIMENT = "rlake"
 BATCH_LIMIT = 1000  # MLflow's log_batch takes at most 1000 metrics per call
@@ -134,6 +136,8 @@ class Tracker:
     """One MLflow run per rlake run; a resumed run continues the same MLflow run."""
 
     def __init__(self, home: str | Path):
+        from mlflow.tracking import MlflowClient
+
         root = Path(home).resolve() / "mlflow"
         root.mkdir(parents=True, exist_ok=True)
         self.uri = tracking_uri(home)
@@ -162,6 +166,8 @@ class Tracker:
             return mlflow_run_id
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
+        from mlflow.entities import Param
+
         items = [Param(k, str(v)[:6000]) for k, v in params.items()]
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i:i + 100])
@@ -177,12 +183,16 @@ class Tracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Queue all metrics of a step for one ``log_batch`` (a call per metric costs 7-16 ms;
         a batch 5-60 ms, now off the caller's path)."""
+        from mlflow.entities import Metric
+
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
         if batch:
             self._sender.submit(("metrics", self.run_id, batch))
 
     def set_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
         items = [RunTag(k, str(v)) for k, v in tags.items()]
         run_id = self.run_id
         self.defer(lambda: self.client.log_batch(run_id, tags=items))
@@ -190,6 +200,11 @@ class Tracker:
     def defer(self, call: Callable[[], object]) -> None:
         """Run ``call`` on the background thread, after everything queued before it."""
         self._sender.submit(("call", self.run_id, call))
+
+    def register_weight_version_later(self, rlake_run_id: str, weight_version: int,
+                                      tags: dict[str, str | int | None]) -> None:
+        """``register_weight_version`` on the background thread, after everything queued."""
+        self.defer(lambda: self.register_weight_version(rlake_run_id, weight_version, tags))
 
     def flush(self) -> None:
         """Wait until everything queued is in MLflow; raises if a queued call failed."""
