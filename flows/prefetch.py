@@ -4,8 +4,9 @@ A subflow call makes Prefect send, before the flow function starts: the parent f
 tracking task run, a look-up of an existing subflow run, the flow, the flow run (4 round trips,
 plus a CSRF token). ``IterationRuns`` sends the same records for the next iterations (i+1, and
 i+2 as a spare: ``RUNS_AHEAD``) from a background thread while iteration i runs, and runs each
-iteration with Prefect's own engine on the pre-created flow run (``prefect.flow_engine.run_flow(flow, flow_run=...)``): the iteration is
-the same flow run, a child of the run's flow run, with its tags, states, task runs and logs.
+iteration with Prefect's own engine on the pre-created flow run
+(``prefect.flow_engine.run_flow(flow, flow_run=...)``): the iteration is the same flow run, a
+child of the run's flow run, with its tags, states, task runs and logs.
 
     with IterationRuns(rl_iteration) as runs:          # inside the rl_run flow
         for i in ...:
@@ -23,9 +24,9 @@ An iteration on a pre-created run waits for no request either: the engine's own 
 (Running, then Completed or Failed) go to the same background thread, in order and ahead of
 the creations queued there (``Writer``), and the engine goes on as if the server had accepted
 them (``_ReportingClient``); its read of the run is answered from its own copy, its update of
-the run (the values the run was created with) is dropped. A state change costs the server ~40-50 ms here (orchestration rules over SQLite): the
-4 requests an iteration waited for took ~0.13-0.17 s of its ~0.5-0.6 s (2026-11-25,
-docs/operations.md). One thread sends all of them, so no two of rlake's writes meet at the
+the run (the values the run was created with) is dropped. A state change costs the server
+~40-50 ms here (orchestration rules over SQLite): the 4 requests an iteration waited for took
+~0.13-0.17 s of its ~0.5-0.6 s (2026-11-25, docs/operations.md). One thread sends all of them, so no two of rlake's writes meet at the
 server's SQLite (a collision there costs a 2 s client retry).
 What that gives up: the server's answer. A run cancelled from the UI while its iteration runs is
 not stopped by its Running being rejected (cancel the parent ``rl_run``: its own states are

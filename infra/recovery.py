@@ -7,8 +7,9 @@
   with the rlake run (``run_tag``) to Crashed.
 - A flow run the dead process created ahead of time for a next iteration never started
   (Pending, named ``PREFETCHED``): ``delete_prefetched`` deletes it rather than mark it Crashed,
-  unless the lake says its iteration committed (its Running state, sent from a background
-  thread, was lost with the process): that one is marked Crashed like the others.
+  unless it did start (the lake says its iteration committed, or it has task runs) and only its
+  Running state, sent from a background thread, was lost with the process: that one is marked
+  Crashed like the others.
 - Two processes must not drive one run: ``claim_run`` writes ``owner.pid`` in the run folder and
   refuses when a live process already holds it.
 """
@@ -191,17 +192,14 @@ def delete_prefetched(run_id: str, committed: set[int] = frozenset()) -> list[st
                         state=FlowRunFilterState(name=FlowRunFilterStateName(any_=[PREFETCHED])))
     deleted = []
     with get_client(sync_client=True) as client:
-        waiting = [fr for fr in client.read_flow_runs(flow_run_filter=flt)
-                   if (fr.state_type is None or fr.state_type.value == "PENDING")
-                   and fr.parameters.get("iteration") not in committed]
-        if not waiting:
-            return deleted
-        started = {t.flow_run_id for t in client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id for fr in waiting])))}
-        for fr in waiting:
-            if fr.id not in started:
-                delete_with_tracker(client, fr)
-                deleted.append(str(fr.id))
+        for fr in client.read_flow_runs(flow_run_filter=flt):
+            if fr.state_type is not None and fr.state_type.value != "PENDING":
+                continue
+            if fr.parameters.get("iteration") in committed or client.read_task_runs(
+                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])), limit=1):
+                continue  # it started
+            delete_with_tracker(client, fr)
+            deleted.append(str(fr.id))
     return deleted
 
 

@@ -10,9 +10,10 @@ its own that work runs on the other core, beside Prefect's server, while the mod
 ``flush``, ``finish``, the registry and history reads) wait for the helper; the others
 (``log_metrics``, ``set_tags``, ``register_weight_version_later``) are sent and not waited for:
 the helper's ``Tracker`` queues them for its background sender, in order, as it did in-process.
-An error in one of those is raised by the next ``flush`` (as before: a call that failed at once is raised there too). The helper exits when the
-run's process closes the pipe or dies (EOF), at once, without sending what is still queued: a
-kill -9 loses the same as before (``flows.durability.recover`` re-does it from the lake).
+An error in one of those is raised by the next ``flush`` (as before; so is one such call that
+failed at once in the helper). The helper exits when the run's process closes the pipe or dies
+(EOF), at once, without sending what is still queued: a kill -9 loses the same as before
+(``flows.durability.recover`` re-does it from the lake).
 """
 
 from __future__ import annotations
@@ -94,9 +95,6 @@ class TrackerProcess:
         if self.run_id:
             self._call("finish", status)
 
-    def model_name(self, rlake_run_id: str) -> str:
-        return f"rlake-{rlake_run_id}"
-
     def registered_weight_versions(self, rlake_run_id: str) -> set[int]:
         return self._call("registered_weight_versions", rlake_run_id)
 
@@ -128,7 +126,7 @@ def serve(home: str, requests_fd: str, replies_fd: str) -> None:
         tracker, broken = Tracker(home), None
     except Exception as err:  # noqa: BLE001 - every request answers with it
         tracker, broken = None, f"the tracker could not start: {type(err).__name__}: {err}"
-    failed = None  # the first error of a call nobody waited for: the next answer carries it
+    failed = None  # the first error of a call nobody waited for: the next flush raises it
     while True:
         try:
             name, args, kwargs, answer = requests.recv()
