@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 OFFLINE_ENV = {
@@ -71,8 +72,10 @@ def configure_environment(home: str | Path, torch_threads: int = 1) -> Path:
     import torch
 
     torch.set_num_threads(torch_threads)
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
+    # the environment above quiets transformers when it is imported later (a run may never
+    # import it: infra.qwen2, infra.tokenizer); one imported already is told directly
+    transformers = sys.modules.get("transformers")
+    if transformers is not None:
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
     return home

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
+from infra import qwen2
 from infra.config import ConfigError, TinyModelConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+# transformers is imported where it is used (building the tiny model, tokenizers, models
+# infra.qwen2 does not cover): its import and model modules are seconds of start-up CPU.
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 # Enough characters for the built-in tasks (arithmetic, countdown, a calculator tool).
@@ -17,6 +23,9 @@ CHARSET = list("0123456789+-*/=()., :<>[]") + list("abcdefghijklmnopqrstuvwxyz")
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer in HF format: one token per character."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARSET)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
@@ -27,6 +36,8 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 
 def build_tiny_model(out_dir: str | Path, tiny: TinyModelConfig, seed: int = 0) -> Path:
     """Create a random-init tiny Qwen2 + char tokenizer and save both in HF format."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
     out = Path(out_dir)
     tokenizer = build_char_tokenizer()
     config = Qwen2Config(
@@ -83,14 +94,42 @@ def attention_for(device: str) -> str:
     return "sdpa" if device == "cuda" else "eager"
 
 
+def uses_own_model(path: str | Path, device: str) -> bool:
+    """infra.qwen2 serves a plain Qwen2 folder (one ``model.safetensors``) on CPU; CUDA keeps
+    transformers' fused SDPA attention, other architectures transformers' own modules."""
+    raw = qwen2.read_config(path)
+    return (device == "cpu" and raw is not None and qwen2.supports(raw)
+            and (Path(path) / qwen2.WEIGHTS_FILE).is_file())
+
+
 def load_model(path: str | Path, device: str = "cpu", dtype: str = "fp32") -> torch.nn.Module:
     """An HF causal LM with weights in ``dtype`` on ``device`` (resolved names: cpu|cuda,
     fp32|bf16). The CPU default, fp32 + eager attention, keeps trainer and engine identical so
-    rollout and training log-probs agree."""
+    rollout and training log-probs agree; a plain Qwen2 on CPU is infra.qwen2's (the same math
+    and names, bit for bit, without importing transformers)."""
+    if uses_own_model(path, device):
+        return qwen2.Qwen2ForCausalLM.from_pretrained(path, DTYPES[dtype])
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype],
                                                  attn_implementation=attention_for(device))
     return model.to(device)
 
 
+def base_model_from_config(config, device: str = "cpu") -> torch.nn.Module:
+    """An untrained fp32 decoder (no output head) of ``config``'s shape on ``device``: a
+    critic's backbone, loaded afterwards. ``config`` is a policy's: infra.qwen2's or HF's."""
+    if isinstance(config, qwen2.ModelConfig):
+        return qwen2.Qwen2Model(config).to(device)
+    from transformers import AutoModel
+
+    return AutoModel.from_config(config, attn_implementation=attention_for(device),
+                                 dtype=torch.float32).to(device)
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    """transformers' tokenizer for the folder (AutoTokenizer picks the class from the model's
+    config.json: a Qwen2 folder gets Qwen2Tokenizer's pre-tokenizer and byte-level decoder)."""
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path))

@@ -10,7 +10,6 @@ from __future__ import annotations
 from itertools import pairwise
 
 import torch
-from transformers import DynamicCache
 
 from infra.modeling import load_model
 from rollout.cuda_graph import GraphedDecode, graph_slots
@@ -260,6 +259,8 @@ class _HFStep:
     support); finished rows stay in the batch (they decode padding)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        from transformers import DynamicCache  # only HF models come here (fast_decoder.supports)
+
         self.model, self.cache = model, DynamicCache()
 
     def forward(self, ids, pos, valid, start) -> torch.Tensor:

@@ -16,9 +16,8 @@ import copy
 from pathlib import Path
 
 import torch
-from transformers import AutoModel
 
-from infra.modeling import attention_for
+from infra.modeling import base_model_from_config
 from trainers.base import PaddedBatch
 from trainers.shared_prompt import response_hidden
 
@@ -50,9 +49,7 @@ class ValueModel(torch.nn.Module):
     def from_config(cls, config, device: str = "cpu") -> ValueModel:
         """An untrained fp32 value model of ``config``'s shape on ``device`` (``load_critic``
         fills it)."""
-        backbone = AutoModel.from_config(config, attn_implementation=attention_for(device),
-                                         dtype=torch.float32)
-        return cls(backbone, config.hidden_size).to(device).train()
+        return cls(base_model_from_config(config, device), config.hidden_size).to(device).train()
 
 
 def response_values(critic: ValueModel, pb: PaddedBatch, share_prompt: bool = False

@@ -20,7 +20,6 @@ position ids count real tokens only, as in the plain right-padded forward.
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
 from trainers.base import PaddedBatch
 
@@ -55,6 +54,15 @@ def response_hidden(decoder: torch.nn.Module, pb: PaddedBatch, share_prompt: boo
             return response_hidden_shared(decoder, pb, groups)
     hidden = decoder(input_ids=pb.input_ids, attention_mask=pb.attention_mask).last_hidden_state
     return hidden.gather(1, pb.response_index[..., None].expand(-1, -1, hidden.shape[-1]))
+
+
+def new_cache(base_model: torch.nn.Module):
+    """An empty KV cache for ``base_model``: its own kind (infra.qwen2) or HF's DynamicCache."""
+    if hasattr(base_model, "new_cache"):
+        return base_model.new_cache()
+    from transformers import DynamicCache
+
+    return DynamicCache(config=base_model.config)
 
 
 def _checkpointing(model: torch.nn.Module) -> bool:
@@ -108,7 +116,7 @@ def response_hidden_shared(base_model: torch.nn.Module, pb: PaddedBatch, groups:
     first_rows[1:] = groups[1:] != groups[:-1]
     first_rows = first_rows.nonzero().squeeze(-1)
     ids, prompt_mask, prompt_pos = left_padded_prompts(pb, first_rows)
-    cache = DynamicCache(config=base_model.config)
+    cache = new_cache(base_model)
     prompt_out = base_model(input_ids=ids, attention_mask=prompt_mask, position_ids=prompt_pos,
                             past_key_values=cache, use_cache=True)
     cache.reorder_cache(groups)  # each row gets its prompt's keys and values (differentiable)
