@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from infra import qwen2
+from infra import tokenizer as tokenizer_cache
 from infra.config import ConfigError, TinyModelConfig
+from infra.tokenizer import PlainTokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -127,9 +129,8 @@ def base_model_from_config(config, device: str = "cpu") -> torch.nn.Module:
                                  dtype=torch.float32).to(device)
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    """transformers' tokenizer for the folder (AutoTokenizer picks the class from the model's
-    config.json: a Qwen2 folder gets Qwen2Tokenizer's pre-tokenizer and byte-level decoder)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast | PlainTokenizer:
+    """The folder's tokenizer as transformers' AutoTokenizer builds it (the class comes from
+    config.json: a Qwen2 folder gets Qwen2Tokenizer's pre-tokenizer and byte-level decoder),
+    from rlake's cache without importing transformers when it was built before (infra.tokenizer)."""
+    return tokenizer_cache.load_tokenizer(path)

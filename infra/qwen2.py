@@ -220,8 +220,13 @@ class Qwen2Model(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        # nn.Embedding's own init (normal_) imports torch._dynamo (~2.5 s) on the meta device
+        # ``from_pretrained`` builds on: start it from HF's init instead (same distribution)
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        if weight.device.type != "meta":
+            nn.init.normal_(weight, std=getattr(config, "initializer_range", 0.02))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         getattr(config, "pad_token_id", None))
+                                         getattr(config, "pad_token_id", None), _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -1,0 +1,98 @@
+"""infra/tokenizer.py: a tokenizer seen before loads from rlake's cache without transformers,
+giving transformers' ids and text; tokenizers that do more than their backend never do."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+from infra import tokenizer as tokenizer_cache
+from infra.config import TinyModelConfig
+from infra.modeling import build_tiny_model, load_tokenizer
+
+SHAPE = TinyModelConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
+                        num_key_value_heads=1, intermediate_size=32, max_position_embeddings=32)
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLAKE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "tokenizers"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("tok") / "tiny", SHAPE))
+
+
+def test_the_second_load_is_cached_and_answers_as_transformers(folder, cache):
+    first, second = load_tokenizer(folder), load_tokenizer(folder)
+    assert not isinstance(first, tokenizer_cache.PlainTokenizer)
+    assert isinstance(second, tokenizer_cache.PlainTokenizer)
+    assert len(list(cache.iterdir())) == 1
+    reference = AutoTokenizer.from_pretrained(folder)
+    assert (second.bos_token_id, second.eos_token_id, second.pad_token_id) == (
+        reference.bos_token_id, reference.eos_token_id, reference.pad_token_id)
+    assert len(second) == len(reference)
+    rng = random.Random(0)
+    alphabet = "0123456789+-*/=()., :<>[]abcxyzAZ\n\té" + "<s></s><pad>"
+    texts = ["37+48=", "a b", " 12 ", "<s>1+1</s>", ""] + [
+        "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30))) for _ in range(200)]
+    for text in texts:
+        for special in (True, False):
+            assert second(text, add_special_tokens=special)["input_ids"] == \
+                reference(text, add_special_tokens=special)["input_ids"], (text, special)
+    for _ in range(200):
+        ids = [rng.randrange(len(reference)) for _ in range(rng.randint(0, 20))]
+        for skip in (True, False):
+            assert second.decode(ids, skip_special_tokens=skip) == \
+                reference.decode(ids, skip_special_tokens=skip), (ids, skip)
+
+
+def test_changed_files_are_another_entry(folder, cache, tmp_path):
+    load_tokenizer(folder)
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps(config | {"eos_token": "<pad>"}))
+    assert not isinstance(load_tokenizer(other), tokenizer_cache.PlainTokenizer)
+    assert load_tokenizer(other).eos_token_id == 0
+    assert len(list(cache.iterdir())) == 2
+
+
+def test_a_chat_template_is_never_cached(folder, cache, tmp_path):
+    templated = tmp_path / "templated"
+    shutil.copytree(folder, templated)
+    (templated / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    for _ in range(2):
+        tok = load_tokenizer(templated)
+        assert not isinstance(tok, tokenizer_cache.PlainTokenizer)
+        assert tok.chat_template
+    assert not cache.exists() or not list(cache.iterdir())
+
+
+def test_a_corrupt_entry_is_rebuilt(folder, cache):
+    load_tokenizer(folder)
+    entry = tokenizer_cache.cache_entry(folder)
+    entry.write_text("{not json")
+    assert not isinstance(load_tokenizer(folder), tokenizer_cache.PlainTokenizer)
+    assert isinstance(load_tokenizer(folder), tokenizer_cache.PlainTokenizer)
+
+
+def test_a_run_loading_a_seen_model_imports_no_transformers(folder, cache):
+    """What a run's process loads (tokenizer and model) with the cache warm: nothing of
+    transformers (its import alone is ~1.2-2 s of start-up)."""
+    load_tokenizer(folder)
+    code = ("import sys; from infra.modeling import load_model, load_tokenizer; "
+            "load_tokenizer(sys.argv[1]); load_model(sys.argv[1]); "
+            "print(sorted(m for m in sys.modules if m.startswith('transformers')))")
+    out = subprocess.run([sys.executable, "-c", code, folder], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
