@@ -31,6 +31,7 @@ PHASES = ["generate", "score", "lake_write", "wait_rollout", "slice_read", "trai
 def engine_vs_generate(batch: int = 64, new_tokens: int = 64, reps: int = 5) -> dict:
     """Tokens/s of TorchEngine vs HF generate, sampling, same model and prompts, alternated."""
     import torch
+    from transformers import AutoModelForCausalLM
 
     from infra.config import TinyModelConfig
     from infra.modeling import build_tiny_model, load_tokenizer
@@ -41,6 +42,8 @@ def engine_vs_generate(batch: int = 64, new_tokens: int = 64, reps: int = 5) -> 
         path = build_tiny_model(tmp, TinyModelConfig(max_position_embeddings=128))
         tok = load_tokenizer(path)
         engine = TorchEngine(str(path), eos_token_id=-1, pad_token_id=tok.pad_token_id)
+        # transformers' own model for its generate (the engine's is infra.qwen2's, no generate)
+        hf_model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").eval()
         prompts = [[tok.bos_token_id, *tok(f"{10 + i}+{99 - i}=", add_special_tokens=False)["input_ids"]]
                    for i in range(batch)]
         ids = torch.tensor(prompts)
@@ -52,9 +55,9 @@ def engine_vs_generate(batch: int = 64, new_tokens: int = 64, reps: int = 5) -> 
             ours.append(sum(len(r.token_ids) for r in out) / (time.perf_counter() - start))
             start = time.perf_counter()
             with torch.no_grad():
-                gen = engine.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                            max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                            pad_token_id=tok.pad_token_id)
+                gen = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                        max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                        pad_token_id=tok.pad_token_id)
             theirs.append((gen.shape[1] - ids.shape[1]) * batch / (time.perf_counter() - start))
     return {"engine_tokens_per_s": statistics.median(ours),
             "hf_generate_tokens_per_s": statistics.median(theirs),

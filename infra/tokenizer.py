@@ -52,14 +52,17 @@ def cache_entry(folder: str | Path) -> Path:
 
 class PlainTokenizer:
     """A ``tokenizers.Tokenizer`` with the special-token ids: the calls rlake makes, answered
-    as transformers' tokenizer that built it answers them."""
+    as transformers' tokenizer that built it answers them. Any other attribute (a custom
+    rollout function's ``batch_decode``, ``save_pretrained``...) comes from transformers'
+    tokenizer of ``source``, loaded on first use."""
 
     chat_template = None
 
-    def __init__(self, backend: str, bos_token_id: int | None, eos_token_id: int | None,
-                 pad_token_id: int | None) -> None:
+    def __init__(self, source: str | Path, backend: str, bos_token_id: int | None,
+                 eos_token_id: int | None, pad_token_id: int | None) -> None:
         from tokenizers import Tokenizer
 
+        self.source = str(source)
         self.backend = Tokenizer.from_str(backend)
         # as transformers sets the backend before each plain call (no padding, no truncation,
         # special tokens in the text recognised as such)
@@ -68,6 +71,7 @@ class PlainTokenizer:
         self.backend.encode_special_tokens = False
         self.bos_token_id, self.eos_token_id, self.pad_token_id = (
             bos_token_id, eos_token_id, pad_token_id)
+        self._transformers = None
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -76,8 +80,27 @@ class PlainTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | list[int]:
+        ids = [self.backend.token_to_id(t) for t in ([tokens] if isinstance(tokens, str) else tokens)]
+        if None in ids:  # unknown token: transformers' answer (its unk id)
+            return self.full().convert_tokens_to_ids(tokens)
+        return ids[0] if isinstance(tokens, str) else ids
+
     def __len__(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def full(self) -> Any:
+        """transformers' tokenizer of ``source`` (imports transformers)."""
+        if self._transformers is None:
+            from transformers import AutoTokenizer
+
+            self._transformers = AutoTokenizer.from_pretrained(self.source)
+        return self._transformers
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("source", "backend", "_transformers"):
+            raise AttributeError(name)  # pickling and a half-built object: no fallback
+        return getattr(self.full(), name)
 
 
 def cacheable(tokenizer: Any) -> bool:
@@ -110,7 +133,7 @@ def load_tokenizer(folder: str | Path) -> Any:
     entry = cache_entry(folder)
     if entry.is_file():
         try:
-            return PlainTokenizer(**json.loads(entry.read_text()))
+            return PlainTokenizer(folder, **json.loads(entry.read_text()))
         except Exception:  # an unreadable entry (tokenizers raises plain Exception): rebuilt
             pass
     from transformers import AutoTokenizer

@@ -96,3 +96,22 @@ def test_a_run_loading_a_seen_model_imports_no_transformers(folder, cache):
     out = subprocess.run([sys.executable, "-c", code, folder], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_other_calls_fall_back_to_transformers_and_it_pickles(folder, cache, tmp_path):
+    """What rlake does not call itself (a custom rollout function may) is transformers'."""
+    import pickle
+
+    load_tokenizer(folder)
+    tok = load_tokenizer(folder)
+    reference = AutoTokenizer.from_pretrained(folder)
+    assert tok.convert_tokens_to_ids(["1", "+", "</s>"]) == \
+        reference.convert_tokens_to_ids(["1", "+", "</s>"])
+    assert tok.convert_tokens_to_ids("no-such-token") == \
+        reference.convert_tokens_to_ids("no-such-token")
+    assert tok.batch_decode([[5, 6], [7]]) == reference.batch_decode([[5, 6], [7]])
+    tok.save_pretrained(tmp_path / "saved")
+    assert AutoTokenizer.from_pretrained(tmp_path / "saved")("12")["input_ids"] == \
+        reference("12")["input_ids"]
+    copy = pickle.loads(pickle.dumps(load_tokenizer(folder)))
+    assert copy("37+48=")["input_ids"] == reference("37+48=")["input_ids"]
