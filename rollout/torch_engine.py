@@ -259,7 +259,7 @@ class _HFStep:
     support); finished rows stay in the batch (they decode padding)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        from transformers import DynamicCache  # only HF models come here (fast_decoder.supports)
+        from transformers import DynamicCache  # models fast_decoder.supports rejects come here
 
         self.model, self.cache = model, DynamicCache()
 
