@@ -97,9 +97,9 @@ def hf_step_seconds(model_dir: Path, batch, micro: int, device: str, dtype: str,
                     repeat: int) -> float:
     """The yardstick: plain HF model in ``dtype`` (bf16 on GPU), forward + backward of the
     token cross entropy over the batch in micro-batches, one fused AdamW step."""
-    from infra.modeling import load_model
+    from infra.modeling import load_transformers_model
 
-    model = load_model(model_dir, device, dtype).train()
+    model = load_transformers_model(model_dir, device, dtype).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device == "cuda" or None)
     ids = torch.tensor([p + r for p, r in zip(batch.prompt_token_ids, batch.response_token_ids,
                                               strict=True)], device=device)
@@ -119,7 +119,7 @@ def hf_step_seconds(model_dir: Path, batch, micro: int, device: str, dtype: str,
 def engine_figures(engine, model_dir: Path, device: str, dtype: str, gen_batch: int,
                    new_tokens: int, vocab: int) -> dict[str, float]:
     """tokens/s of the torch engine and of HF ``generate`` (sampling, no early stop)."""
-    from infra.modeling import load_model
+    from infra.modeling import load_transformers_model
     from rollout.engine import SamplingParams
 
     g = torch.Generator().manual_seed(1)
@@ -130,7 +130,7 @@ def engine_figures(engine, model_dir: Path, device: str, dtype: str, gen_batch: 
     graphed, engine.cuda_graph = engine.cuda_graph, False
     eager_s = timed(lambda: engine.generate(prompts, sp), device, repeat=2) if graphed else eng_s
     engine.cuda_graph = graphed
-    hf = load_model(model_dir, device, dtype).eval()
+    hf = load_transformers_model(model_dir, device, dtype).eval()
     ids = torch.tensor(prompts, device=device)
 
     def hf_generate():

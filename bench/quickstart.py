@@ -31,10 +31,9 @@ PHASES = ["generate", "score", "lake_write", "wait_rollout", "slice_read", "trai
 def engine_vs_generate(batch: int = 64, new_tokens: int = 64, reps: int = 5) -> dict:
     """Tokens/s of TorchEngine vs HF generate, sampling, same model and prompts, alternated."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from infra.config import TinyModelConfig
-    from infra.modeling import build_tiny_model, load_tokenizer
+    from infra.modeling import build_tiny_model, load_tokenizer, load_transformers_model
     from rollout.engine import SamplingParams
     from rollout.torch_engine import TorchEngine
 
@@ -43,7 +42,7 @@ def engine_vs_generate(batch: int = 64, new_tokens: int = 64, reps: int = 5) -> 
         tok = load_tokenizer(path)
         engine = TorchEngine(str(path), eos_token_id=-1, pad_token_id=tok.pad_token_id)
         # transformers' own model for its generate (the engine's is infra.qwen2's, no generate)
-        hf_model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").eval()
+        hf_model = load_transformers_model(path).eval()
         prompts = [[tok.bos_token_id, *tok(f"{10 + i}+{99 - i}=", add_special_tokens=False)["input_ids"]]
                    for i in range(batch)]
         ids = torch.tensor(prompts)

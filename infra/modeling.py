@@ -111,6 +111,13 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str = "fp32") -> to
     and names, bit for bit, without importing transformers)."""
     if uses_own_model(path, device):
         return qwen2.Qwen2ForCausalLM.from_pretrained(path, DTYPES[dtype])
+    return load_transformers_model(path, device, dtype)
+
+
+def load_transformers_model(path: str | Path, device: str = "cpu", dtype: str = "fp32"
+                            ) -> torch.nn.Module:
+    """transformers' own model class for the folder (``generate``, ``labels``: the benches'
+    yardsticks), eager attention on CPU and SDPA on CUDA."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype],
