@@ -96,12 +96,14 @@ def attention_for(device: str) -> str:
     return "sdpa" if device == "cuda" else "eager"
 
 
-def uses_own_model(path: str | Path, device: str) -> bool:
-    """infra.qwen2 serves a plain Qwen2 folder (one ``model.safetensors``) on CPU; CUDA keeps
-    transformers' fused SDPA attention, other architectures transformers' own modules."""
+def own_model_config(path: str | Path, device: str) -> dict | None:
+    """The folder's config.json when infra.qwen2 serves it: a plain Qwen2 folder (one
+    ``model.safetensors``) on CPU; None otherwise (CUDA keeps transformers' fused SDPA
+    attention, other architectures transformers' own modules)."""
+    if device != "cpu" or not (Path(path) / qwen2.WEIGHTS_FILE).is_file():
+        return None
     raw = qwen2.read_config(path)
-    return (device == "cpu" and raw is not None and qwen2.supports(raw)
-            and (Path(path) / qwen2.WEIGHTS_FILE).is_file())
+    return raw if raw is not None and qwen2.supports(raw) else None
 
 
 def load_model(path: str | Path, device: str = "cpu", dtype: str = "fp32") -> torch.nn.Module:
@@ -109,8 +111,9 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str = "fp32") -> to
     fp32|bf16). The CPU default, fp32 + eager attention, keeps trainer and engine identical so
     rollout and training log-probs agree; a plain Qwen2 on CPU is infra.qwen2's (the same math
     and names, bit for bit, without importing transformers)."""
-    if uses_own_model(path, device):
-        return qwen2.Qwen2ForCausalLM.from_pretrained(path, DTYPES[dtype])
+    raw = own_model_config(path, device)
+    if raw is not None:
+        return qwen2.Qwen2ForCausalLM.from_pretrained(path, DTYPES[dtype], raw)
     return load_transformers_model(path, device, dtype)
 
 

@@ -77,20 +77,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] over the last dimension's halves."""
+def rope_tables(positions: torch.Tensor, head_dim: int, base: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of pos * base^(-2i/d) in fp32, duplicated over both halves (HF's rotate_half
+    layout). Also the fast decoder's tables (rollout/fast_decoder.py)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                            device=positions.device) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1] (HF's order of operations)."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
 
 
 def rope(position_ids: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype
          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, 1, S, d] of pos * base^(-2i/d), both halves alike, computed in fp32."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-    inv_freq = inv_freq.to(position_ids.device)
-    freqs = position_ids[..., None].float() * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    """cos, sin [B, 1, S, d] for the attention's [B, heads, S, d] layout, in ``dtype``."""
+    cos, sin = rope_tables(position_ids, head_dim, base)
+    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
 def additive_mask(attention_mask: torch.Tensor | None, batch: int, q_len: int, past: int,
@@ -158,7 +167,7 @@ class Attention(nn.Module):
         q = self.q_proj(h).view(shape).transpose(1, 2)
         k = self.k_proj(h).view(shape).transpose(1, 2)
         v = self.v_proj(h).view(shape).transpose(1, 2)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)
@@ -304,14 +313,15 @@ class Qwen2ForCausalLM(nn.Module):
         return CausalLMOutput(self.lm_head(out.last_hidden_state), out.past_key_values)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32
-                        ) -> Qwen2ForCausalLM:
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        raw_config: dict[str, Any] | None = None) -> Qwen2ForCausalLM:
         """The model in ``path`` (an HF folder, ``config.json`` + ``model.safetensors``) with
-        weights in ``dtype``, on CPU; built on the meta device so nothing is initialised twice."""
+        weights in ``dtype``, on CPU; built on the meta device so nothing is initialised twice.
+        ``raw_config``: the folder's config.json when the caller read it already."""
         from safetensors.torch import load_file
 
         folder = Path(path)
-        config = ModelConfig.from_dict(read_config(folder))
+        config = ModelConfig.from_dict(raw_config or read_config(folder))
         generation = folder / GENERATION_CONFIG_FILE
         gen = json.loads(generation.read_text()) if generation.is_file() else None
         with torch.device("meta"):

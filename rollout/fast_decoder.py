@@ -12,26 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from infra.qwen2 import apply_rope, rope_tables
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = x / sqrt(mean(x^2) + eps) * weight (one fused op)."""
     return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
-
-
-def rope_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of pos * base^(-2i/d), duplicated over both halves (HF's rotate_half layout)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
-                                            device=positions.device) / head_dim))
-    freqs = positions.float()[..., None] * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from infra import qwen2
 from infra.config import TinyModelConfig
-from infra.modeling import build_tiny_model, load_model
+from infra.modeling import build_tiny_model, load_model, own_model_config
 
 torch.set_num_threads(1)
 
@@ -121,3 +121,5 @@ def test_other_models_and_cuda_stay_on_transformers(folder, tmp_path):
         (other / f).write_bytes((Path(folder) / f).read_bytes())
     (other / "config.json").write_text(json.dumps(raw | {"model_type": "llama"}))
     assert not isinstance(load_model(other), qwen2.Qwen2ForCausalLM)
+    assert own_model_config(folder, "cpu") == raw
+    assert own_model_config(folder, "cuda") is None  # CUDA: transformers' SDPA path
