@@ -24,13 +24,22 @@ CHARSET = list("0123456789+-*/=()., :<>[]") + list("abcdefghijklmnopqrstuvwxyz")
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer in HF format: one token per character."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A character-level tokenizer in HF format: one token per character.
+
+    It is written as a byte-level BPE without merges (GPT-2's byte alphabet: a space is the token
+    ``Ġ``), the form Qwen2's tokenizer rebuilds any Qwen2 folder's tokenizer into: transformers'
+    AutoTokenizer loads a Qwen2 folder as ``Qwen2Tokenizer`` whatever its tokenizer_config.json
+    says, and a plain character vocabulary lost its spaces there ("a b" became "ab"). Characters
+    outside CHARSET other than spaces keep their ids (printable ASCII is its own byte-level
+    character)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARSET)}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    byte_level = {" ": "\u0120"}  # Ġ
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + [byte_level.get(c, c) for c in CHARSET])}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
         unk_token="<unk>", padding_side="left", clean_up_tokenization_spaces=False)

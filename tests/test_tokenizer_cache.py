@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from infra import tokenizer as tokenizer_cache
 from infra.config import TinyModelConfig
-from infra.modeling import build_tiny_model, load_tokenizer
+from infra.modeling import build_char_tokenizer, build_tiny_model, load_tokenizer
 
 SHAPE = TinyModelConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
                         num_key_value_heads=1, intermediate_size=32, max_position_embeddings=32)
@@ -53,6 +53,19 @@ def test_the_second_load_is_cached_and_answers_as_transformers(folder, cache):
         for skip in (True, False):
             assert second.decode(ids, skip_special_tokens=skip) == \
                 reference.decode(ids, skip_special_tokens=skip), (ids, skip)
+
+
+def test_the_tiny_models_tokenizer_keeps_spaces_loaded_and_cached(folder, cache):
+    """transformers loads a Qwen2 folder as Qwen2Tokenizer (byte-level BPE) whatever its
+    tokenizer_config says; the char tokenizer is written in that form, so text with spaces
+    round-trips, with the ids of the tokenizer build_tiny_model wrote."""
+    built = build_char_tokenizer()
+    for tokenizer in (load_tokenizer(folder), load_tokenizer(folder)):
+        for text in ("a b", " 12 + 3 = 15", "(1+2) * 3 = 9", "x"):
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            assert ids == built(text, add_special_tokens=False)["input_ids"], text
+            assert len(ids) == len(text) and tokenizer.decode(ids) == text
+    assert isinstance(tokenizer, tokenizer_cache.PlainTokenizer)
 
 
 def test_changed_files_are_another_entry(folder, cache, tmp_path):
