@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from infra.modeling import base_model_from_config
+from trainers.adamw import Optimizer, make_adamw
 from trainers.base import PaddedBatch
 from trainers.shared_prompt import response_hidden
 
@@ -62,20 +63,19 @@ def response_values(critic: ValueModel, pb: PaddedBatch, share_prompt: bool = Fa
 
 
 def make_critic_optimizer(critic: ValueModel, lr: float, weight_decay: float,
-                          betas: tuple[float, float]) -> torch.optim.Optimizer:
-    fused = next(critic.parameters()).is_cuda or None
-    return torch.optim.AdamW(critic.parameters(), lr=lr, weight_decay=weight_decay, betas=betas,
-                             fused=fused)
+                          betas: tuple[float, float]) -> Optimizer:
+    device = "cuda" if next(critic.parameters()).is_cuda else "cpu"
+    return make_adamw(critic.parameters(), lr, weight_decay, betas, device)
 
 
-def critic_state(critic: ValueModel, optimizer: torch.optim.Optimizer) -> dict:
+def critic_state(critic: ValueModel, optimizer: Optimizer) -> dict:
     """The critic's weights and its optimizer state, saved in one file (``CRITIC_FILE``) next to
     the policy (live tensors: the checkpoint writer copies them)."""
     return {"model": critic.state_dict(), "optimizer": optimizer.state_dict()}
 
 
 def load_critic(path: Path, config, lr: float, weight_decay: float, betas: tuple[float, float],
-                device: str = "cpu") -> tuple[ValueModel, torch.optim.Optimizer]:
+                device: str = "cpu") -> tuple[ValueModel, Optimizer]:
     """Rebuild what ``critic_state`` saved (``config``: the policy's HF config) on ``device``."""
     state = torch.load(path, weights_only=False, map_location=device)
     critic = ValueModel.from_config(config, device)

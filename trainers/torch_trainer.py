@@ -23,6 +23,7 @@ from infra.config import TrainerConfig
 from infra.modeling import load_model
 from trainers import algorithms as alg
 from trainers import losses
+from trainers.adamw import Optimizer, make_adamw
 from trainers.base import PaddedBatch, TrainBatch, pad_batch
 from trainers.checkpoint import CheckpointWriter, Snapshot, read_files
 from trainers.critic import (
@@ -125,7 +126,7 @@ class TorchTrainer:
         self.reuse_grad_pass_logprobs = True
         self.optimizer = self._make_optimizer(cfg.lr)
         self.critic: ValueModel | None = None
-        self.critic_optimizer: torch.optim.Optimizer | None = None
+        self.critic_optimizer: Optimizer | None = None
         self._reference: torch.nn.Module | None = None
         # read once: the folder the trainer came from may be a checkpoint pruned later
         self._tokenizer_files = read_files(Path(model_dir), TOKENIZER_FILES)
@@ -150,10 +151,9 @@ class TorchTrainer:
                                      vocab_chunk_size=self.cfg.vocab_chunk_size,
                                      share_prompt=self.cfg.share_prompt_forward, **kw)
 
-    def _make_optimizer(self, lr: float) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=self.cfg.weight_decay,
-                                 betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
-                                 fused=self.device == "cuda" or None)
+    def _make_optimizer(self, lr: float) -> Optimizer:
+        return make_adamw(self.model.parameters(), lr, self.cfg.weight_decay,
+                          (self.cfg.adam_beta1, self.cfg.adam_beta2), self.device)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights as detached views (no copy): a consumer copies what it keeps
