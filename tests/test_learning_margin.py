@@ -39,3 +39,17 @@ def test_no_change_is_not_learning(tmp_path):
     assert paired_gain(lake, "r", 0, 1)[:2] == (0.0, 0.0)
     with pytest.raises(AssertionError, match="gain \\+0.000"):
         assert_learned(lake, "r", 0, 1)
+
+
+def test_several_late_versions_are_averaged_per_problem(tmp_path):
+    lake = Lake(str(tmp_path / "lake"))
+    _evals(lake, 0, set(range(5)))
+    _evals(lake, 4, set(range(8)))   # 5, 6, 7 newly right
+    _evals(lake, 8, set(range(6)))   # only 5
+    gain, se, n = paired_gain(lake, "r", 0, (4, 8))
+    # d = 0 x5, 1 (problem 5), 0.5 x2 (6, 7), 0 x2: mean 0.2
+    d = [0.0] * 5 + [1.0, 0.5, 0.5, 0.0, 0.0]
+    assert (n, gain) == (10, pytest.approx(0.2))
+    assert se == pytest.approx(math.sqrt(sum((x - 0.2) ** 2 for x in d) / 9 / 10))
+    with pytest.raises(AssertionError):
+        paired_gain(lake, "r", 0, (4, 12))  # a version never evaluated
