@@ -14,10 +14,11 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 import pyarrow as pa
+from prefect.utilities.annotations import quote
 
 from flows.durability import register_version
 from infra.checkpoints import checkpoint_due
-from infra.faults import fault_join, fault_point
+from infra.faults import AFTER_APPEND_POINTS, fault_armed, fault_join, fault_point
 from infra.runtime import Runtime
 from tasks.lake import read_training_slice, record_train_step
 from tasks.rebuild import RECORDED_TERMS, seed_training
@@ -75,6 +76,8 @@ def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_sta
     iteration (the run ends with its checkpoint on disk)."""
     with phase(timings, "slice_read"):
         training_slice, lake_version = read_slice(rt, base_version)
+    if callable(lake_version) and any(fault_armed(p) for p in AFTER_APPEND_POINTS):
+        lake_version = lake_version()  # the kill comes after the rows' commit (infra.faults)
     seed_training(rt, iteration)
     with phase(timings, "train"):
         train_metrics = train(rt, training_slice)
@@ -95,8 +98,10 @@ def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_sta
         # the previous iteration's MLflow work (sent in the background) lands before this commit:
         # a crash can only lose the current iteration's, which resume re-does (durability.recover)
         rt.tracker.flush()
-        record_train_step(rt, train_step_row(rt, iteration, base_version, new_version, lake_version,
-                                             training_slice, train_metrics, metrics, timings))
+        # quoted: Prefect would walk the row (its sample_uids list) looking for futures
+        record_train_step(rt, quote(train_step_row(rt, iteration, base_version, new_version,
+                                                   lake_version, training_slice, train_metrics,
+                                                   metrics, timings)))
         rt.prune_checkpoints(keep_version=new_version, committed=new_version)
         fault_join("during_background_write")  # committed, its checkpoint half-written
         fault_point("during_mlflow_log")

@@ -33,7 +33,8 @@ POINTS: dict[str, str] = {
     "during_lake_append": "inside the trajectories' Delta write: part of the rows handed to the "
                           "writer, nothing committed",
     "after_lake_append": "the iteration's trajectories are committed to the lake, not trained on",
-    "during_train": "the trainer updated the weights in memory, nothing saved",
+    "during_train": "the iteration's trajectories are committed and the trainer updated the "
+                    "weights in memory, nothing saved",
     "during_checkpoint_save": "the checkpoint's temporary folder is written, not renamed into place",
     "after_checkpoint_save": "the new checkpoint is saved (or, in the background, being saved), the "
                              "train_steps row (commit point) does not exist",
@@ -43,6 +44,11 @@ POINTS: dict[str, str] = {
                                "temporary folder",
     "during_mlflow_log": "the train_steps row is committed, the MLflow metrics are not logged",
 }
+# Points whose state includes the iteration's trajectories committed: training overlaps their
+# append (flows.steps), so with one of these armed the append is waited for before training
+# (a kill there then always leaves rows to reuse; unarmed, nothing waits).
+AFTER_APPEND_POINTS = ("during_train", "during_checkpoint_save", "after_checkpoint_save",
+                       "during_weight_handoff")
 _STATE = {"iteration": -1}
 _REACHED: dict[str, threading.Event] = {}
 JOIN_TIMEOUT_S = 300.0
