@@ -1,4 +1,5 @@
-"""Benchmark the lake: append throughput vs raw Parquet, slice latency vs table size, DuckDB GROUP BY.
+"""Benchmark the lake: append throughput vs raw Parquet, the train_steps commit, slice latency vs
+table size, DuckDB GROUP BY.
 
     python bench/lake.py [--batches 50] [--sizes 10,100,1000] [--sql-rows 1000000] [--dir DIR]
 
@@ -91,6 +92,51 @@ def bench_append(root: Path, base: pa.Table, batches: int, group: int = 1) -> di
     }
 
 
+def step_row(run_id: str, step: int, samples: int) -> dict:
+    """A ``train_steps`` row of step ``step`` consuming ``samples`` samples of iteration ``step``."""
+    return {"run_id": run_id, "step": step, "iteration": step, "base_version": step,
+            "weight_version": step + 1, "n_samples": samples,
+            "sample_uids": [f"{run_id}/{step}/{i}" for i in range(samples)]}
+
+
+def bench_train_step(root: Path, steps: int, samples: int = 256) -> dict:
+    """The commit point of an iteration: ``steps`` one-row ``train_steps`` appends to a fresh
+    table, each split into its key check (``delta.existing_keys``: is the step there already?)
+    and the Delta write (``delta.write_deltalake``: Parquet file + commit), timed by wrapping
+    the two in ``buffer.delta`` for this bench only."""
+    from buffer import delta
+
+    parts: dict[str, list[float]] = {"existing_keys": [], "write_deltalake": []}
+    originals = {name: getattr(delta, name) for name in parts}
+
+    def timed(name: str):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return originals[name](*args, **kwargs)
+            finally:
+                parts[name].append(time.perf_counter() - t)
+        return call
+
+    lake = Lake(str(root / "train-steps-lake"))
+    total = []
+    try:
+        for name in parts:
+            setattr(delta, name, timed(name))
+        for step in range(steps):
+            t = time.perf_counter()
+            lake.append_train_step(step_row(RUN, step, samples))
+            total.append(time.perf_counter() - t)
+    finally:
+        for name, fn in originals.items():
+            setattr(delta, name, fn)
+    warm = slice(1, None)  # the first append creates the table
+    return {"train_step_steps": steps,
+            "train_step_ms_median": 1000 * statistics.median(total[warm]),
+            "train_step_key_check_ms_median": 1000 * statistics.median(parts["existing_keys"][warm]),
+            "train_step_write_ms_median": 1000 * statistics.median(parts["write_deltalake"][warm])}
+
+
 def grow(lake: Lake, base: pa.Table, start: int, stop: int) -> list[float]:
     """Iterations ``start..stop-1``: one 512-row batch (weight_version = iteration) and one train step
     consuming the previous iteration's samples. Returns each trajectory append's seconds."""
@@ -101,11 +147,7 @@ def grow(lake: Lake, base: pa.Table, start: int, stop: int) -> list[float]:
         lake.append_trajectories(batch)
         times.append(time.perf_counter() - t)
         if it > 0:
-            lake.append_train_step({
-                "run_id": RUN, "step": it - 1, "iteration": it, "base_version": it - 1,
-                "weight_version": it, "n_samples": BATCH,
-                "sample_uids": [f"{RUN}/{it - 1}/{i}" for i in range(BATCH)],
-            })
+            lake.append_train_step({**step_row(RUN, it - 1, BATCH), "iteration": it})
     return times
 
 
@@ -167,6 +209,7 @@ def bench_sql(root: Path, base: pa.Table, rows: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", type=int, default=50, help="512-row batches for the append figure")
+    p.add_argument("--steps", type=int, default=60, help="train_steps appends for the commit figure")
     p.add_argument("--sizes", default="10,100,1000", help="table sizes (iterations) for slice latency")
     p.add_argument("--sql-rows", type=int, default=1_000_000, help="rows for the DuckDB GROUP BY")
     p.add_argument("--repeat", type=int, default=15, help="repetitions per slice timing")
@@ -187,6 +230,11 @@ def main(argv: list[str] | None = None) -> dict:
               f"{result['append_vs_parquet_time_ratio']:.2f} (medians x{result['append_vs_parquet_median_ratio']:.2f}, "
               f"CPU time x{result['append_vs_parquet_cpu_ratio']:.2f}); duplicate batch {result['duplicate_append_ms']:.1f} ms; "
               f"4096-row batches: CPU time x{result['append_vs_parquet_cpu_ratio_4096_rows']:.2f}",
+              flush=True)
+        result.update(bench_train_step(root, args.steps))
+        print(f"train_steps commit (one row, {args.steps} steps): median {result['train_step_ms_median']:.1f} ms "
+              f"= key check {result['train_step_key_check_ms_median']:.1f} ms + Delta write "
+              f"{result['train_step_write_ms_median']:.1f} ms + the rest (table refresh, row build)",
               flush=True)
         print("slice (staleness 2, unconsumed, warm lake):", flush=True)
         result.update(bench_slices(root, base, sizes, args.repeat))

@@ -9,7 +9,8 @@ from buffer import Lake
 
 # The learning tests' shape: the greedy accuracy of one weight version moves by +-0.04 from one
 # version to the next (the policy, not the 500 problems), and the SFT warm-up lands at another
-# accuracy on another CPU (0.588 on the Intel hosts, 0.632 on AMD EPYC, 2026-11-25). Measured on
+# accuracy on another CPU (0.588 on the Intel hosts, 0.632 on one AMD EPYC host, 0.382 on another
+# with AVX2 and no AVX-512, 2026-11-25; the suite passed on the last two). Measured on
 # AMD from 0.632: 40 iterations gained +0.006 (async), -0.008 (Ray, two engines) to +0.06
 # (sync, reinforce++ baseline); one version at 100 iterations (Ray) +0.054, at 80 +0.092; the
 # mean of 60, 80, 100 +0.069 (Ray, 3.4 SE), +0.104 (5.1), +0.113 (async, 5.8). So the tests run
