@@ -21,14 +21,15 @@ def test_reinforce_plus_plus_baseline_improves_held_out_accuracy(tmp_path, cli, 
               "trainer.advantage_estimator=reinforce_plus_plus_baseline"]:
         args += ["--set", s]
     cli(args, env={"PREFECT_HOME": str(home / "prefect")})
-    evals = Lake(str(home / "lake")).read("evals", run_id="e2e").to_pylist()
+    lake = Lake(str(home / "lake"))
+    evals = lake.read("evals", run_id="e2e").to_pylist()
     acc = {e["weight_version"]: e["value"] for e in evals if e["metric"] == "accuracy"}
     assert set(acc) == set(range(0, ITERATIONS + 1, EVAL_INTERVAL)), acc
     # decisive: the paired per-problem gain of the late versions (averaged) is >= 3 of its
     # standard errors (from the data); tests/learning.py says why not one version at 40
-    assert_learned(Lake(str(home / "lake")), "e2e", 0, LATE_VERSIONS)
-    one = paired_gain(Lake(str(home / "lake")), "e2e", 0, ITERATIONS)[0]
+    assert_learned(lake, "e2e", 0, LATE_VERSIONS)
+    one = paired_gain(lake, "e2e", 0, ITERATIONS)[0]
     assert one == pytest.approx(acc[ITERATIONS] - acc[0])  # the eval rows are the evals' data
-    steps = Lake(str(home / "lake")).read("train_steps", run_id="e2e").to_pylist()
+    steps = lake.read("train_steps", run_id="e2e").to_pylist()
     assert len(steps) == ITERATIONS
     assert all(s["pg_loss"] is not None and s["grad_norm"] > 0 for s in steps)
