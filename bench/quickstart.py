@@ -25,7 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infra.env import configure_environment  # noqa: E402
 
-PHASES = ["generate", "score", "lake_write", "wait_rollout", "slice_read", "train", "publish", "record"]
+# commit_wait: a sync iteration waiting for the previous one's commit, which ran behind while
+# it generated (flows.steps.run_behind); record is then the hand-over only
+PHASES = ["generate", "commit_wait", "score", "lake_write", "wait_rollout", "slice_read", "train",
+          "publish", "record"]
 
 
 def engine_vs_generate(batch: int = 64, new_tokens: int = 64, reps: int = 5) -> dict:

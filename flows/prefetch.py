@@ -57,7 +57,7 @@ from prefect.client.schemas.responses import (
 )
 from prefect.context import FlowRunContext, TagsContext
 from prefect.flow_engine import FlowRunEngine
-from prefect.states import Pending, State
+from prefect.states import Failed, Pending, State
 
 from infra.recovery import PREFETCHED, delete_with_tracker
 
@@ -97,10 +97,12 @@ class _ReportingClient(SyncPrefectClient):
     engine's own copy. Everything else is the engine's client itself (the same connection)."""
 
     def __init__(self, client: SyncPrefectClient, flow_run: FlowRun,
-                 send: Callable[[Callable[[SyncPrefectClient], Any]], None]) -> None:
+                 send: Callable[[Callable[[SyncPrefectClient], Any]], None],
+                 hold: Callable[[], Future | None] = lambda: None) -> None:
         self.__dict__.update(client.__dict__)
         self._flow_run = flow_run
         self._send = send
+        self._hold = hold
 
     def read_flow_run(self, flow_run_id):
         if flow_run_id == self._flow_run.id:
@@ -118,8 +120,14 @@ class _ReportingClient(SyncPrefectClient):
                            **kwargs) -> OrchestrationResult:
         # a copy: the engine goes on changing the state it proposed (its data, details)
         sent = state.model_copy(update={"state_details": state.state_details.model_copy()})
+        held = self._hold() if state.is_final() else None
 
         def propose(client: SyncPrefectClient) -> None:
+            nonlocal sent
+            if held is not None:  # the run's work still going on behind it: wait for that
+                err = held.exception()
+                if err is not None and sent.is_completed():
+                    sent = Failed(message=f"its commit, run behind, failed: {err!r}")
             result = client.set_flow_run_state(flow_run_id, sent, force=force, **kwargs)
             if result.status != SetStateStatus.ACCEPT:
                 logger.warning("Prefect did not take state %s of flow run %s: %s %s", sent.name,
@@ -133,22 +141,28 @@ class _ReportingEngine(FlowRunEngine):
     """Prefect's flow engine with ``_ReportingClient`` as its client (set ``send`` first)."""
 
     send: Callable[[Callable[[SyncPrefectClient], Any]], None]
+    hold: Callable[[], Future | None] = staticmethod(lambda: None)
     _reporting: _ReportingClient | None = None
 
     @property
     def client(self) -> SyncPrefectClient:
         client = FlowRunEngine.client.fget(self)
         if self._reporting is None:
-            self._reporting = _ReportingClient(client, self.flow_run, self.send)
+            self._reporting = _ReportingClient(client, self.flow_run, self.send, self.hold)
         return self._reporting
 
 
 def run_reported(flow: Flow, flow_run: FlowRun, parameters: dict[str, Any],
-                 send: Callable[[Callable[[SyncPrefectClient], Any]], None]) -> Any:
+                 send: Callable[[Callable[[SyncPrefectClient], Any]], None],
+                 hold: Callable[[], Future | None] = lambda: None) -> Any:
     """``flow(**parameters)`` on ``flow_run`` with Prefect's engine (the loop of
-    ``prefect.flow_engine.run_flow_sync``), its writes for the run handed to ``send``."""
+    ``prefect.flow_engine.run_flow_sync``), its writes for the run handed to ``send``. The run's
+    final state waits, on the sending thread, for the future ``hold()`` gives when the flow
+    function returns (work it left running behind it: ``flows.steps.run_behind``); Completed
+    becomes Failed if that work failed."""
     engine = _ReportingEngine(flow=flow, flow_run=flow_run, parameters=parameters)
     engine.send = send
+    engine.hold = hold
     with engine.start():
         while engine.is_running():
             with engine.run_context():
@@ -213,7 +227,8 @@ def ahead(iteration: int, stop: int, parameters: Callable[[int], dict[str, Any]]
 class IterationRuns:
     """Hands out flow runs of ``flow`` created ahead of time (see the module docstring)."""
 
-    def __init__(self, flow: Flow) -> None:
+    def __init__(self, flow: Flow, hold: Callable[[], Future | None] = lambda: None) -> None:
+        self.hold = hold  # run_reported's: what a run's final state waits for
         # the next run is created once this one is Running (``_running``): its creation is
         # queued after this run's Running, and waits for every state queued later (``Writer``)
         self.flow = flow.with_options(on_running=[*flow.on_running_hooks, self._running])
@@ -264,7 +279,7 @@ class IterationRuns:
                 with tags(*sorted(extra_tags)):
                     return self.flow(**parameters)
             with untagged():
-                return run_reported(self.flow, flow_run, parameters, self._send)
+                return run_reported(self.flow, flow_run, parameters, self._send, self.hold)
         finally:
             self._prefetch_next()  # never Running (failed before): the next creation goes on
 

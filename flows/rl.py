@@ -9,7 +9,8 @@
       train(slice)                               -> weights v+1, metrics (while the commit lands)
       publish_weights(v+1)                       -> HF checkpoint, engine updated
       record_train_step + log_metrics            -> train_steps row (the durable point, after the
-                                                    rows' commit), MLflow
+                                                    rows' commit), MLflow; behind (on its own
+                                                    thread) while iteration i+1 generates
       register weight version                    -> MLflow model version (lineage tags)
       evaluate (every eval_interval)             -> evals rows
 
@@ -37,9 +38,9 @@ from flows.durability import (
 from flows.durability import update_run_row as _update_run
 from flows.guards import check_rewards
 from flows.prefetch import IterationRuns, ahead
-from flows.steps import landed, phase, train_and_commit
+from flows.steps import landed, phase, settle_commit, train_and_commit
 from infra.config import RunConfig, config_from_dict
-from infra.faults import fault_point, set_iteration
+from infra.faults import POST_COMMIT_POINTS, fault_armed, fault_point, set_iteration
 from infra.recovery import run_tag
 from infra.runtime import RUNTIMES, Runtime, open_runtime
 from rollout.sample import Status
@@ -83,6 +84,10 @@ def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
         with phase(timings, "generate"):
             rollout = generate_rollouts(rt, iteration)  # dynamic sampling / partial rollouts inside
             samples, rollout_stats = rollout.samples, rollout.stats
+        # the previous iteration committed behind while this one generated: its train_steps row
+        # lands before anything of this iteration is written (a resume starts after it)
+        with phase(timings, "commit_wait"):
+            settle_commit(rt)
         fault_point("during_generate")
         with phase(timings, "score"):
             failed = score(rt, quote(samples))
@@ -98,12 +103,25 @@ def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
             landed(rt, written.result)
     stats = {**rollout_metrics(samples, timings["generate"]), "rollout/failed": float(failed),
              **rollout_stats}
-    metrics = train_and_commit(rt, iteration, base_version, stats, timings, read_slice)
+    evaluating = eval_due(rt, iteration + 1, rt.cfg.num_rollout)
+    metrics = train_and_commit(rt, iteration, base_version, stats, timings, read_slice,
+                               behind=commits_behind(rt, iteration, evaluating))
     timings["total"] = time.perf_counter() - start
     metrics.update({f"time/{k}": v for k, v in timings.items()})
-    if (iteration + 1) % rt.cfg.eval.eval_interval == 0 or iteration + 1 == rt.cfg.num_rollout:
+    if evaluating:
         metrics["eval/accuracy"] = evaluate(rt, iteration + 1)["accuracy"]
     return metrics
+
+
+def commits_behind(rt: Runtime, iteration: int, evaluating: bool) -> bool:
+    """Whether iteration ``iteration`` commits behind (``flows.steps.run_behind``): the next
+    iteration generates while its train_steps row is written. Not the process's first iteration
+    (it may run on a plain subflow call, whose Completed would go out before the commit:
+    ``IterationRuns`` holds a pre-created run's until then), not one that evaluates (the
+    evaluation follows the commit) or the last, nor one where a fault point after the commit is
+    armed (the kill then comes inside this iteration's flow run)."""
+    return (rt.start_iteration < iteration < rt.cfg.num_rollout - 1 and not evaluating
+            and not any(fault_armed(p, iteration) for p in POST_COMMIT_POINTS))
 
 
 @flow(name="rl_run")
@@ -167,12 +185,18 @@ def run_sync(rt: Runtime, reporter) -> None:
     def parameters(i: int) -> dict:
         return {"run_id": rt.run_id, "iteration": i}
 
-    with IterationRuns(rl_iteration) as runs:
-        for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
-            metrics = runs.run(parameters(iteration),
-                               upcoming=ahead(iteration, rt.cfg.num_rollout, parameters))
-            reporter("iteration", {"iteration": iteration, **metrics})
-            check_rewards(rt, iteration, metrics)
+    # an iteration's Completed goes to Prefect once its commit (maybe behind) has landed
+    with IterationRuns(rl_iteration, hold=lambda: rt.pending_commit) as runs:
+        try:
+            for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
+                metrics = runs.run(parameters(iteration),
+                                   upcoming=ahead(iteration, rt.cfg.num_rollout, parameters))
+                reporter("iteration", {"iteration": iteration, **metrics})
+                check_rewards(rt, iteration, metrics)
+        except BaseException:
+            settle_commit(rt, raise_error=False)  # what trained is committed, then the error
+            raise
+        settle_commit(rt)
 
 
 def eval_due(rt: Runtime, done: int, total: int) -> bool:

@@ -3,15 +3,21 @@
     read slice -> train -> publish (engine; checkpoint every save_interval, in the background)
     -> train_steps row (THE commit) -> MLflow metrics -> model version (lineage)
 
-The named fault points (infra/faults.py) sit between the steps.
+The commit and what follows it (``commit_step``) may run behind: on a thread of its own while a
+sync run's next iteration generates (``run_behind``, ``settle_commit``). The named fault points
+(infra/faults.py) sit between the steps.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from contextlib import contextmanager
+from functools import partial
 
 import pyarrow as pa
 from prefect.utilities.annotations import quote
@@ -65,7 +71,7 @@ def train_step_row(rt: Runtime, iteration: int, base_version: int, new_version: 
 def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_stats: dict[str, float],
                      timings: dict[str, float],
                      read_slice: Callable[[Runtime, int], tuple[pa.Table, LakeVersion]] = read_training_slice,
-                     total: int | None = None) -> dict[str, float]:
+                     total: int | None = None, behind: bool = False) -> dict[str, float]:
     """Train on the slice ``read_slice(rt, base_version)`` and commit the new version; returns
     the iteration's metrics (rollout_stats + train/* + staleness/* + weight_version). The slice
     comes with the trajectories version it was read at, or a call that gives it once the rows'
@@ -73,7 +79,11 @@ def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_sta
 
     The checkpoint of the new version is written when due (``infra.checkpoints.checkpoint_due``
     over ``total`` iterations, default ``num_rollout``), in the background except at the last
-    iteration (the run ends with its checkpoint on disk)."""
+    iteration (the run ends with its checkpoint on disk).
+
+    ``behind``: the commit (``commit_step``) runs on its own thread while the caller goes on
+    (``run_behind``; ``rt.pending_commit`` holds it until ``settle_commit``), so a sync run's
+    next iteration generates while this one commits."""
     with phase(timings, "slice_read"):
         training_slice, lake_version = read_slice(rt, base_version)
     if callable(lake_version) and any(fault_armed(p) for p in AFTER_APPEND_POINTS):
@@ -95,19 +105,63 @@ def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_sta
     with phase(timings, "record"):
         if callable(lake_version):  # the slice's rows committed meanwhile: wait for that first
             lake_version = lake_version()
-        # the previous iteration's MLflow work (sent in the background) lands before this commit:
-        # a crash can only lose the current iteration's, which resume re-does (durability.recover)
-        rt.tracker.flush()
-        # quoted: Prefect would walk the row (its sample_uids list) looking for futures
-        record_train_step(rt, quote(train_step_row(rt, iteration, base_version, new_version,
-                                                   lake_version, training_slice, train_metrics,
-                                                   metrics, timings)))
-        rt.prune_checkpoints(keep_version=new_version, committed=new_version)
-        fault_join("during_background_write")  # committed, its checkpoint half-written
-        fault_point("during_mlflow_log")
-        # queued for the tracker's background sender (it retries): no task run around a queue put
-        rt.tracker.log_metrics({**metrics, **{f"time/{k}": v for k, v in timings.items()}},
-                               iteration)
-        register_version(rt, new_version, iteration, lake_version, training_slice.num_rows,
-                         saved=saved is not None)
+        # copies: the caller goes on adding to both while a commit behind runs
+        commit = partial(commit_step, rt, iteration, train_step_row(
+            rt, iteration, base_version, new_version, lake_version, training_slice, train_metrics,
+            metrics, timings), {**metrics, **{f"time/{k}": v for k, v in timings.items()}},
+            saved is not None)
+        if behind:
+            rt.pending_commit = run_behind(commit)
+        else:
+            commit()
     return metrics
+
+
+def commit_step(rt: Runtime, iteration: int, row: dict, logged: dict[str, float],
+                saved: bool) -> None:
+    """THE commit of an iteration and what follows it: the ``train_steps`` row (``row``,
+    ``train_step_row``), checkpoint pruning, the MLflow metrics (``logged``) and the model
+    version (with its ``saved`` checkpoint or none). Fault points carry ``iteration``: behind
+    (``run_behind``), the next iteration may be running."""
+    # the previous iteration's MLflow work (sent in the background) lands before this commit:
+    # a crash can only lose the current iteration's, which resume re-does (durability.recover)
+    rt.tracker.flush()
+    # quoted: Prefect would walk the row (its sample_uids list) looking for futures
+    record_train_step(rt, quote(row))
+    new_version = row["weight_version"]
+    rt.prune_checkpoints(keep_version=new_version, committed=new_version)
+    fault_join("during_background_write", iteration)  # committed, its checkpoint half-written
+    fault_point("during_mlflow_log", iteration)
+    # queued for the tracker's background sender (it retries): no task run around a queue put
+    rt.tracker.log_metrics(logged, iteration)
+    register_version(rt, new_version, iteration, row["lake_version"], row["n_samples"], saved=saved)
+
+
+def run_behind(commit: Callable[[], None]) -> Future:
+    """Run ``commit`` on a thread of its own, in a copy of the caller's context (its task run
+    then belongs to the caller's flow run); the future holds its error. Whoever comes next
+    waits for it (``settle_commit``) before anything that must follow the commit."""
+    future: Future = Future()
+    context = contextvars.copy_context()
+
+    def run() -> None:
+        try:
+            future.set_result(context.run(commit))
+        except BaseException as err:  # noqa: BLE001 - raised by settle_commit
+            future.set_exception(err)
+    threading.Thread(target=run, name="rlake-commit", daemon=True).start()
+    return future
+
+
+def settle_commit(rt: Runtime, raise_error: bool = True) -> None:
+    """Wait for the commit running behind (``run_behind``), if any; raise its error (or, with
+    ``raise_error`` False, when the caller is failing already, report it as a warning)."""
+    pending, rt.pending_commit = rt.pending_commit, None
+    if pending is None:
+        return
+    err = pending.exception()
+    if err is None:
+        return
+    if raise_error:
+        raise err
+    rt.report("warning", {"message": f"the last iteration's commit failed too: {err!r}"})

@@ -49,6 +49,10 @@ POINTS: dict[str, str] = {
 # (a kill there then always leaves rows to reuse; unarmed, nothing waits).
 AFTER_APPEND_POINTS = ("during_train", "during_checkpoint_save", "after_checkpoint_save",
                        "during_weight_handoff")
+# Points after the train_steps commit: a sync iteration commits behind (the next iteration
+# generates meanwhile, flows.steps), so with one of these armed the iteration commits before it
+# ends instead (the kill then comes inside that iteration's flow run, at a known place).
+POST_COMMIT_POINTS = ("during_background_write", "during_mlflow_log")
 _STATE = {"iteration": -1}
 _REACHED: dict[str, threading.Event] = {}
 JOIN_TIMEOUT_S = 300.0
@@ -123,12 +127,13 @@ def fault_point(name: str, iteration: int | None = None, hold: bool = False) -> 
         time.sleep(3600)
 
 
-def fault_join(name: str) -> None:
-    """Main-thread side of a held point: if armed at the current iteration, wait until a
-    background thread holds at ``name``, then SIGKILL the process."""
-    if not fault_armed(name):
+def fault_join(name: str, iteration: int | None = None) -> None:
+    """Waiting side of a held point: if armed at ``iteration`` (default: the current one), wait
+    until a background thread holds at ``name``, then SIGKILL the process."""
+    if not fault_armed(name, iteration):
         return
+    at = _STATE["iteration"] if iteration is None else iteration
     if not _REACHED.setdefault(name, threading.Event()).wait(JOIN_TIMEOUT_S):
         raise RuntimeError(f"{ENV}: fault point '{name}' was never reached by the background "
-                           f"writer at iteration {_STATE['iteration']} (is a save due there?)")
+                           f"writer at iteration {at} (is a save due there?)")
     _kill()

@@ -73,6 +73,8 @@ class Runtime:
         self.start_iteration = 0
         self.mlflow_run_id: str | None = None
         self.reporter = None
+        # the previous iteration's commit while it runs behind (a Future: flows.steps.run_behind)
+        self.pending_commit = None
 
     def report(self, event: str, payload: dict) -> None:
         """Live progress for the CLI (no-op when nobody listens)."""

@@ -98,6 +98,62 @@ def test_a_failed_iteration_leaves_no_run_created_ahead(tmp_path):
     assert json.loads(stdout.strip().splitlines()[-1]) == {"COMPLETED": 2, "FAILED": 1}, stdout
 
 
+# each child leaves work running behind it (a commit: flows.steps.run_behind) that ends 1.5 s
+# later; the work of iteration 2 fails. While it runs, the child's run must not be Completed.
+HELD_PARENT = START_SERVER + """
+import threading, time
+from concurrent.futures import Future
+from prefect import flow, get_client
+from prefect.client.schemas.filters import FlowRunFilter
+from flows.prefetch import IterationRuns, ahead
+from bench.flow_requests import flow_run_states
+
+behind, seen = {}, {}
+
+def state_of(i):
+    with get_client(sync_client=True) as client:
+        return [r.state_type.value for r in client.read_flow_runs()
+                if r.parameters.get("i") == i and r.state_type.value != "PENDING"]
+
+@flow(name="child")
+def child(i: int) -> int:
+    future = Future()
+    behind["pending"] = future
+    def work():
+        time.sleep(1.5)
+        seen[i] = state_of(i)
+        if i == 2:
+            future.set_exception(RuntimeError("the commit failed"))
+        else:
+            future.set_result(None)
+    threading.Thread(target=work).start()
+    return i
+
+@flow(name="parent")
+def parent() -> None:
+    with IterationRuns(child, hold=lambda: behind.get("pending")) as runs:
+        for i in range(3):
+            runs.run({"i": i}, upcoming=ahead(i, 3, lambda j: {"i": j}))
+            behind["pending"].exception()  # the next iteration waits for it (settle_commit)
+
+try:
+    parent()
+    print(json.dumps({"seen": seen, "states": flow_run_states("child")}))
+finally:
+    server.stop()
+"""
+
+
+def test_a_runs_final_state_waits_for_the_work_it_left_behind(tmp_path):
+    """``IterationRuns(hold=...)``: a pre-created run (iterations 1 and 2) stays Running while
+    the work its flow left behind goes on, then Completed, or Failed when that work failed. The
+    first iteration runs on a plain subflow call, whose Completed Prefect's engine sends itself
+    (so rl_iteration never commits behind in a process's first iteration)."""
+    out = json.loads(_run(["-c", HELD_PARENT], tmp_path).strip().splitlines()[-1])
+    assert out["seen"] == {"0": ["COMPLETED"], "1": ["RUNNING"], "2": ["RUNNING"]}, out
+    assert out["states"] == {"COMPLETED": 2, "FAILED": 1}, out
+
+
 # a dead process's runs created ahead, as resume finds them: all Pending ``PREFETCHED`` (their
 # Running states were still queued); iteration 3 had started tasks, 4 had not, 5 was committed
 DEAD_PROCESS_RUNS = START_SERVER + """

@@ -1,0 +1,90 @@
+"""A sync iteration commits behind (flows.steps.run_behind): its ``train_steps`` row is written on
+a thread of its own while the next iteration generates, and the next iteration's trajectories
+are appended only after that row (a resume then never finds rows of an iteration whose previous
+step is uncommitted).
+
+The run's ``train_steps`` append is slowed by ``SLOW_S`` (longer than an iteration's generation)
+so that the order can only hold because the next iteration waited for it: without that wait its
+trajectories would land first. The first iteration of a process, the last one and one that
+evaluates commit inline: their ``record`` phase holds the slow append, the others' does not.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from buffer import Lake
+from buffer.delta import GUARDS_KEY
+from tests.conftest import REPO
+from tests.opshelp import TINY, cli_env
+
+SLOW_S = 2.0
+N_ITER = 6
+EVAL_AFTER = 3  # iteration 2 evaluates (3 done): it commits inline
+
+SCRIPT = f"""
+import json, sys, time
+from buffer.lake import Lake
+
+append = Lake.append_train_step
+def slow_append(self, row):
+    time.sleep({SLOW_S})
+    return append(self, row)
+Lake.append_train_step = slow_append
+
+from flows.rl import rl_run, set_reporter
+from infra.config import load_config
+from infra.env import configure_environment
+
+home = sys.argv[1]
+cfg = load_config("configs/quickstart.yaml", [f"home={{home}}", "num_rollout={N_ITER}",
+                  "eval.eval_interval={EVAL_AFTER}", *sys.argv[2:]])
+configure_environment(home)
+events = []
+set_reporter(lambda event, payload: events.append(payload) if event == "iteration" else None)
+rl_run(cfg.model_dump(), run_id="behind")
+print(json.dumps([{{k: p.get(k) for k in ("iteration", "time/record", "time/commit_wait")}}
+                  for p in events]))
+"""
+
+
+def _commit_times(lake: Lake, table: str, prefix: str) -> dict[int, int]:
+    """{iteration or step: its newest commit's timestamp (ms)} among the table's appends below
+    ``N_ITER``, from the Delta log (an evaluation's rows share the guard of the iteration whose
+    number is its weight version, and come before that iteration's rollout)."""
+    out: dict[int, int] = {}
+    for entry in lake._table(table).history():
+        for guard in json.loads(entry.get(GUARDS_KEY) or "[]"):
+            number = int(guard.rsplit("/", 1)[1])
+            if guard.startswith(prefix) and number < N_ITER:
+                out[number] = max(out.get(number, 0), entry["timestamp"])
+    return out
+
+
+def test_the_next_iteration_appends_only_after_the_commit_behind(tmp_path):
+    home = tmp_path / "home"
+    overrides = [TINY[i + 1] for i in range(0, len(TINY), 2)]
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(home), *overrides], cwd=REPO,
+                          env=cli_env(None, PYTHONPATH=str(REPO)), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    events = {e["iteration"]: e for e in json.loads(proc.stdout.strip().splitlines()[-1])}
+    assert sorted(events) == list(range(N_ITER))
+    inline = {0, EVAL_AFTER - 1, N_ITER - 1}
+    for i, e in events.items():
+        # a lower bound, not a timing: an inline commit contains the slow append
+        assert (e["time/record"] >= SLOW_S) == (i in inline), (i, e)
+    lake = Lake(str(home / "lake"))
+    steps = _commit_times(lake, "train_steps", "rlake/train_steps/behind/")
+    rollouts = _commit_times(lake, "trajectories", "rlake/trajectories/behind/")
+    assert sorted(steps) == sorted(rollouts) == list(range(N_ITER))
+    for i in range(N_ITER - 1):
+        assert steps[i] <= rollouts[i + 1], (i, steps, rollouts)
+    # every step consumed its own iteration's rows, none twice
+    rows = lake.read("train_steps", run_id="behind").to_pylist()
+    assert [r["step"] for r in sorted(rows, key=lambda r: r["step"])] == list(range(N_ITER))
+    consumed = [u for r in rows for u in r["sample_uids"]]
+    assert len(consumed) == len(set(consumed))
+    assert all(u.split("/")[1] == str(r["iteration"]) for r in rows for u in r["sample_uids"])
