@@ -20,8 +20,8 @@ from buffer.delta import GUARDS_KEY
 from tests.conftest import REPO
 from tests.opshelp import TINY, cli_env
 
-SLOW_S = 2.0
-N_ITER = 6
+SLOW_S = 1.0
+N_ITER = 5
 EVAL_AFTER = 3  # iteration 2 evaluates (3 done): it commits inline
 
 SCRIPT = f"""
