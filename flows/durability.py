@@ -7,7 +7,8 @@ The durability order of an iteration (flows/rl.py) is
     -> MLflow metrics + model version -> evaluation
 
 (the commit and the MLflow work may run behind, while the next iteration generates: that one
-writes nothing before the commit has landed, ``flows.steps.settle_commit``), so after ``kill -9`` the lake says exactly how far the run got: iterations with a train_steps row
+writes nothing before the commit has landed, ``flows.steps.settle_commit``), so after
+``kill -9`` the lake says exactly how far the run got: iterations with a train_steps row
 are done; an iteration whose trajectories are in the lake but not consumed is re-trained from them
 (``recorded_samples``), never regenerated; what comes after the commit (MLflow, registry) is
 re-done by ``recover`` if missing. The lake is the write-ahead log of the weights: a resume loads

@@ -98,7 +98,7 @@ class _ReportingClient(SyncPrefectClient):
 
     def __init__(self, client: SyncPrefectClient, flow_run: FlowRun,
                  send: Callable[[Callable[[SyncPrefectClient], Any]], None],
-                 hold: Callable[[], Future | None] = lambda: None) -> None:
+                 hold: Callable[[], Future | None]) -> None:
         self.__dict__.update(client.__dict__)
         self._flow_run = flow_run
         self._send = send
@@ -138,10 +138,11 @@ class _ReportingClient(SyncPrefectClient):
 
 
 class _ReportingEngine(FlowRunEngine):
-    """Prefect's flow engine with ``_ReportingClient`` as its client (set ``send`` first)."""
+    """Prefect's flow engine with ``_ReportingClient`` as its client (set ``send`` and ``hold``
+    first)."""
 
     send: Callable[[Callable[[SyncPrefectClient], Any]], None]
-    hold: Callable[[], Future | None] = staticmethod(lambda: None)
+    hold: Callable[[], Future | None]
     _reporting: _ReportingClient | None = None
 
     @property

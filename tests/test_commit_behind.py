@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from datetime import datetime
 
 from buffer import Lake
 from buffer.delta import GUARDS_KEY
+from buffer.maintenance import history
 from tests.conftest import REPO
 from tests.opshelp import TINY, cli_env
 
@@ -50,16 +52,17 @@ print(json.dumps([{{k: p.get(k) for k in ("iteration", "time/record", "time/comm
 """
 
 
-def _commit_times(lake: Lake, table: str, prefix: str) -> dict[int, int]:
-    """{iteration or step: its newest commit's timestamp (ms)} among the table's appends below
-    ``N_ITER``, from the Delta log (an evaluation's rows share the guard of the iteration whose
-    number is its weight version, and come before that iteration's rollout)."""
-    out: dict[int, int] = {}
-    for entry in lake._table(table).history():
+def _commit_times(lake: Lake, table: str, prefix: str) -> dict[int, datetime]:
+    """{iteration or step: its newest commit's time} among the table's appends below ``N_ITER``,
+    from the Delta log (an evaluation's rows share the guard of the iteration whose number is
+    its weight version, and come before that iteration's rollout)."""
+    out: dict[int, datetime] = {}
+    for entry in history(lake, table):
         for guard in json.loads(entry.get(GUARDS_KEY) or "[]"):
             number = int(guard.rsplit("/", 1)[1])
             if guard.startswith(prefix) and number < N_ITER:
-                out[number] = max(out.get(number, 0), entry["timestamp"])
+                when = datetime.fromisoformat(entry["timestamp"])
+                out[number] = max(out.get(number, when), when)
     return out
 
 
