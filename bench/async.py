@@ -1,7 +1,7 @@
-"""Sync vs async: the quickstart's RL phase from one SFT checkpoint, in both modes, per seed.
+"""Sync vs async: a job's RL phase (the quickstart's, or `--config`) from one SFT checkpoint, per seed.
 
     python bench/async.py [--iterations 100] [--seeds 1 2 3] [--max-staleness 1]
-                          [--checkpoint PATH] [--set key=value ...]
+                          [--checkpoint PATH] [--config configs/gpu.yaml] [--set key=value ...]
 
 Without ``--checkpoint`` it first runs the quickstart's SFT warm-up once (``num_rollout=0``).
 Each (seed, mode) run starts from that checkpoint (``sft.enabled=false``), evaluates held-out
@@ -28,26 +28,25 @@ sys.path.insert(0, str(ROOT))
 from infra.env import configure_environment  # noqa: E402
 
 
-def warm_checkpoint(home: Path, overrides: list[str]) -> Path:
-    """The quickstart's SFT warm-up alone; returns its weight version 0."""
+def warm_checkpoint(config: Path, home: Path, overrides: list[str]) -> Path:
+    """The config's SFT warm-up alone; returns its weight version 0."""
     from flows.rl import rl_run
     from infra.config import load_config
 
-    cfg = load_config(ROOT / "configs" / "quickstart.yaml",
-                      [f"home={home}", "num_rollout=0", *overrides])
+    cfg = load_config(config, [f"home={home}", "num_rollout=0", *overrides])
     rl_run(cfg.model_dump(), run_id="warmup")
     return home / "runs" / "warmup" / "checkpoints" / "v000000"
 
 
-def run_once(home: Path, checkpoint: Path, mode: str, seed: int, iterations: int, k: int,
-             overrides: list[str]) -> dict:
+def run_once(config: Path, home: Path, checkpoint: Path, mode: str, seed: int, iterations: int,
+             k: int, overrides: list[str]) -> dict:
     """One RL phase; returns its figures (see the module docstring)."""
     from buffer import Lake
     from flows import rl
     from infra.config import load_config
 
     run_id = f"{mode}-s{seed}"
-    cfg = load_config(ROOT / "configs" / "quickstart.yaml", [
+    cfg = load_config(config, [
         f"home={home}", f"model.path={checkpoint}", "sft.enabled=false", f"seed={seed}",
         f"num_rollout={iterations}", f"eval.eval_interval={iterations}", f"mode={mode}",
         f"trainer.max_staleness={k if mode == 'async' else 0}", *overrides])
@@ -98,24 +97,28 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
     parser.add_argument("--max-staleness", type=int, default=1, help="k for the async runs")
     parser.add_argument("--checkpoint", type=Path, help="an SFT checkpoint (HF folder) to start from")
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "quickstart.yaml",
+                        help="the job (default: the quickstart; configs/gpu.yaml on a GPU)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         help="config override for every run, e.g. rollout.rollout_batch_size=16")
     parser.add_argument("--home", type=Path, help="state folder (default: a new temporary one)")
     args = parser.parse_args()
     home = (args.home or Path(tempfile.mkdtemp(prefix="rlake-bench-async-"))).resolve()
     configure_environment(home)
-    checkpoint = args.checkpoint or warm_checkpoint(home / "warmup", args.overrides)
+    checkpoint = args.checkpoint or warm_checkpoint(args.config, home / "warmup",
+                                                    args.overrides)
     runs = []
     for seed in args.seeds:
         for mode in ("sync", "async"):  # alternated, so load drifts hit both modes alike
-            r = run_once(home / f"{mode}-s{seed}", checkpoint, mode, seed, args.iterations,
-                         args.max_staleness, args.overrides)
+            r = run_once(args.config, home / f"{mode}-s{seed}", checkpoint, mode, seed,
+                         args.iterations, args.max_staleness, args.overrides)
             runs.append(r)
             print(f"{mode:5s} seed {seed}: {r['s_per_iteration_median']:.3f} s/it, "
                   f"{r['samples_per_s']:.0f} samples/s, RL wall {r['rl_wall_s']:.1f} s, accuracy "
                   f"{r['accuracy_start']:.3f} -> {r['accuracy_end']:.3f}, staleness mean "
                   f"{r['staleness_mean']:.2f} max {r['staleness_max']:.0f}", flush=True)
-    print(json.dumps({"bench": "async", "iterations": args.iterations, "seeds": args.seeds,
+    print(json.dumps({"bench": "async", "config": str(args.config),
+                      "iterations": args.iterations, "seeds": args.seeds,
                       "max_staleness": args.max_staleness, "checkpoint": str(checkpoint),
                       **summarize(runs), "runs": runs}))
 

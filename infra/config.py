@@ -103,8 +103,8 @@ class RolloutConfig(_Section):
     num_cpus_per_engine: float = Field(1.0, ge=0, description="Ray CPUs per engine actor")
     rollout_num_gpus_per_engine: float = Field(0.0, ge=0, description="Ray GPUs per engine actor (slime)")
     cuda_graph: bool = Field(
-        False, description="torch engine on CUDA: replay the decode step as a CUDA graph "
-                           "(UNTESTED ON GPU, opt-in: docs/gpu.md)")
+        True, description="torch engine on CUDA: replay the decode step as a CUDA graph "
+                          "(5.8-16x HF generate on an H200: docs/gpu.md); no effect on CPU")
     mask_offpolicy_in_partial_rollout: bool = Field(
         False, description="loss_mask 0 on tokens an older policy generated")
 

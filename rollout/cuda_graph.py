@@ -1,7 +1,9 @@
 """The torch engine's decode step replayed as a CUDA graph (``rollout.cuda_graph``).
 
-UNTESTED ON GPU: written after the H100 figures below, when no GPU was left to run it; its
-static step is tested on CPU (same tokens as the fast decoder), the capture itself is not.
+Tested on an H200 (2026-11-26, docs/gpu.md): the same greedy tokens as the eager decoder, the
+graph follows the weight hand-off, and the engine went from 3.1k to 23.3k tokens/s at 0.5B
+(3.7k to 17.1k at 1.5B; batch 64 x 256 new tokens). On CPU the engine never captures; the
+CPU tests run the static step eagerly.
 
 A decode step of a 0.5B model is ~400 small kernels; launched one by one from Python the GPU
 waits on the CPU (measured on an H100: 3.6k tokens/s at batch 64, 1.6x HF ``generate``). A CUDA

@@ -77,8 +77,8 @@ class TorchEngine:
     """In-process engine over an HF causal LM on ``device`` in ``dtype`` (resolved names:
     cpu|cuda, fp32|bf16). ``update_weights`` reloads an HF checkpoint; ``load_state_dict``
     copies a trainer's tensors into the engine's own (device to device, casting if needed).
-    With ``cuda_graph`` (``rollout.cuda_graph``; untested on GPU, so opt-in) the decode step
-    on CUDA is replayed as a CUDA graph."""
+    With ``cuda_graph`` (``rollout.cuda_graph``, on by default in a run's config) the decode
+    step on CUDA is replayed as a CUDA graph (rollout/cuda_graph.py)."""
 
     name = "torch"
 
