@@ -44,6 +44,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 from uuid import uuid4
 
@@ -66,6 +67,17 @@ logger = logging.getLogger(__name__)
 
 def _key(parameters: dict[str, Any], tags: set[str]) -> tuple:
     return tuple(sorted(parameters.items())), tuple(sorted(tags))
+
+
+# True while a flow function runs on a pre-created run (``run_reported``): its final state waits
+# for the work the function leaves behind; a plain subflow call's goes out as the function returns
+_FINAL_STATE_HELD: ContextVar[bool] = ContextVar("rlake_final_state_held", default=False)
+
+
+def final_state_held() -> bool:
+    """Whether the flow function running now is on a run whose final state waits for the work
+    it leaves behind (``IterationRuns``' ``hold``): only then may it leave work behind."""
+    return _FINAL_STATE_HELD.get()
 
 
 def _created(future: Future | None):
@@ -279,8 +291,12 @@ class IterationRuns:
             if flow_run is None:
                 with tags(*sorted(extra_tags)):
                     return self.flow(**parameters)
-            with untagged():
-                return run_reported(self.flow, flow_run, parameters, self._send, self.hold)
+            held = _FINAL_STATE_HELD.set(True)
+            try:
+                with untagged():
+                    return run_reported(self.flow, flow_run, parameters, self._send, self.hold)
+            finally:
+                _FINAL_STATE_HELD.reset(held)
         finally:
             self._prefetch_next()  # never Running (failed before): the next creation goes on
 

@@ -5,8 +5,10 @@ step is uncommitted).
 
 The run's ``train_steps`` append is slowed by ``SLOW_S`` (longer than an iteration's generation)
 so that the order can only hold because the next iteration waited for it: without that wait its
-trajectories would land first. The first iteration of a process, the last one and one that
-evaluates commit inline: their ``record`` phase holds the slow append, the others' does not.
+trajectories would land first. The first iteration of a process, the last one, one that
+evaluates and one whose flow run could not be created ahead (a plain subflow call: Prefect would
+get its Completed before the commit) commit inline: their ``record`` phase holds the slow
+append, the others' does not.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from tests.conftest import REPO
 from tests.opshelp import TINY, cli_env
 
 SLOW_S = 1.0
-N_ITER = 5
+N_ITER = 6
 EVAL_AFTER = 3  # iteration 2 evaluates (3 done): it commits inline
+REFUSED = 3  # the creation of this iteration's run ahead fails: it runs on a plain subflow call
 
 SCRIPT = f"""
 import json, sys, time
@@ -35,6 +38,14 @@ def slow_append(self, row):
     time.sleep({SLOW_S})
     return append(self, row)
 Lake.append_train_step = slow_append
+
+from flows.prefetch import IterationRuns
+create = IterationRuns._create
+def refusing_create(self, parameters, tags):
+    if parameters["iteration"] == {REFUSED}:
+        raise RuntimeError("the server refused the creation")
+    return create(self, parameters, tags)
+IterationRuns._create = refusing_create
 
 from flows.rl import rl_run, set_reporter
 from infra.config import load_config
@@ -75,7 +86,8 @@ def test_the_next_iteration_appends_only_after_the_commit_behind(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     events = {e["iteration"]: e for e in json.loads(proc.stdout.strip().splitlines()[-1])}
     assert sorted(events) == list(range(N_ITER))
-    inline = {0, EVAL_AFTER - 1, N_ITER - 1}
+    inline = {0, EVAL_AFTER - 1, REFUSED, N_ITER - 1}
+    assert set(events) - inline == {1, 4}
     for i, e in events.items():
         # a lower bound, not a timing: an inline commit contains the slow append
         assert (e["time/record"] >= SLOW_S) == (i in inline), (i, e)
