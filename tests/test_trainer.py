@@ -249,3 +249,27 @@ def test_gspo_equals_grpo_on_policy_but_not_off_policy(model_dir):
     a, b = trainer(model_dir, 4, **two), trainer(model_dir, 4, advantage_estimator="gspo", **two)
     ma, mb = a.train(batch), b.train(batch)
     assert ma["pg_loss"] != pytest.approx(mb["pg_loss"], abs=1e-6)
+
+
+def test_pad_batch_layout_and_a_short_loss_mask_is_an_error():
+    """Right padding; response token t of row i is predicted at len(prompt_i) - 1 + t; an empty
+    loss_mask trains every response token; log-probs shorter than the response fill its start."""
+    from trainers.base import TrainBatch
+
+    def batch(loss_mask):
+        return TrainBatch(sample_uids=["a", "b", "c"], prompt_token_ids=[[5, 6], [7], [8, 9, 4]],
+                          response_token_ids=[[1, 2, 3], [4], []], loss_mask=loss_mask,
+                          rollout_logprobs=[[-0.5, -0.25], [], [-1.0]], rewards=[1.0, 0.0, 0.0],
+                          group_keys=["g"] * 3, weight_versions=[0] * 3)
+    pb = pad_batch(batch([[1, 0, 1], [], []]), pad_id=0)
+    assert pb.input_ids.tolist() == [[5, 6, 1, 2, 3], [7, 4, 0, 0, 0], [8, 9, 4, 0, 0]]
+    assert pb.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
+    assert pb.response_index.tolist() == [[1, 2, 3], [0, 0, 0], [0, 0, 0]]
+    assert pb.response_ids.tolist() == [[1, 2, 3], [4, 0, 0], [0, 0, 0]]
+    assert pb.mask.tolist() == [[1.0, 0.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    assert pb.rollout_logprobs.tolist() == [[-0.5, -0.25, 0.0], [0.0] * 3, [0.0] * 3]
+    assert pb.has_rollout_logprobs.tolist() == [1.0, 0.0, 0.0]  # c has no response: none used
+    assert pb.prompt_len.tolist() == [2, 1, 3]
+    assert (pb.input_ids.dtype, pb.mask.dtype) == (torch.long, torch.float32)
+    with pytest.raises(ValueError, match="sample a: loss_mask has 2 entries for 3 response tokens"):
+        pad_batch(batch([[1, 1], [1], []]), pad_id=0)

