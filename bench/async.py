@@ -3,7 +3,7 @@
     python bench/async.py [--iterations 100] [--seeds 1 2 3] [--max-staleness 1]
                           [--checkpoint PATH] [--config configs/gpu.yaml] [--set key=value ...]
 
-Without ``--checkpoint`` it first runs the quickstart's SFT warm-up once (``num_rollout=0``).
+Without ``--checkpoint`` it first runs the config's SFT warm-up once (``num_rollout=0``).
 Each (seed, mode) run starts from that checkpoint (``sft.enabled=false``), evaluates held-out
 greedy accuracy at the start and the end only, and is timed from the run's own progress events:
 s/iteration is the median gap between consecutive iterations' ends (iteration 0, which pays
