@@ -9,6 +9,7 @@ seconds; the torch trainer's checkpoint ``save`` seconds.
 
     python -m bench.gpu                        # on a CUDA machine: 0.5b and 1.5b
     python -m bench.gpu --tiny                 # a CPU smoke run of every measurement, tiny shapes
+    python -m bench.gpu --shapes 0.5b --profile   # + torch.profiler's top ops of the two steps
 
 Without a CUDA device and without ``--tiny`` it refuses (exit 2). Models are built offline.
 """
@@ -87,6 +88,26 @@ def timed(fn, device: str, repeat: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def profile_table(fn, device: str, label: str, rows: int = 25) -> None:
+    """One call of ``fn`` under ``torch.profiler`` (after the timed calls warmed it): the top
+    ops by self device time, and the call's wall against its summed device time (a wall far
+    above it means the step waits on the CPU: launches, Python), printed to stdout."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    busy_us = sum(getattr(e, "self_device_time_total", 0) for e in events)
+    print(f"== profile {label}: wall {wall:.3f} s (profiled), device busy {busy_us / 1e6:.3f} s",
+          flush=True)
+    print(events.table(sort_by=key, row_limit=rows), flush=True)
+
+
 def free(device: str) -> None:
     gc.collect()
     if device == "cuda":
@@ -94,7 +115,7 @@ def free(device: str) -> None:
 
 
 def hf_step_seconds(model_dir: Path, batch, micro: int, device: str, dtype: str,
-                    repeat: int) -> float:
+                    repeat: int, profile: bool = False) -> float:
     """The yardstick: plain HF model in ``dtype`` (bf16 on GPU), forward + backward of the
     token cross entropy over the batch in micro-batches, one fused AdamW step."""
     from infra.modeling import load_transformers_model
@@ -111,6 +132,8 @@ def hf_step_seconds(model_dir: Path, batch, micro: int, device: str, dtype: str,
             (out.loss * len(part) / len(ids)).backward()
         opt.step()
     seconds = timed(step, device, repeat)
+    if profile:
+        profile_table(step, device, "HF step")
     model = opt = None  # freed before the next measurement
     free(device)
     return seconds
@@ -162,6 +185,8 @@ def torch_figures(model_dir: Path, batch, args, device: str, dtype: str) -> dict
                         recompute_granularity=args.recompute)
     trainer = TorchTrainer(str(model_dir), cfg, 8, device=device, dtype=dtype)
     step_s = timed(lambda: trainer.train(batch), device, args.repeat)
+    if args.profile:
+        profile_table(lambda: trainer.train(batch), device, "torch trainer train()")
     engine = engine_for(model_dir, args, device, dtype)
     handoff_s = timed(lambda: engine.load_state_dict(trainer.state_dict(), 1), device, repeat=3)
     with tempfile.TemporaryDirectory() as d:
@@ -223,7 +248,7 @@ def bench_shape(name: str, args, device: str, dtype: str) -> dict:
                 args.gen_batch, args.gen_tokens, args.vocab))
         else:
             measured(out, errors, "hf_step", lambda: {"hf_step_s": hf_step_seconds(
-                model_dir, batch, args.micro, device, dtype, args.repeat)})
+                model_dir, batch, args.micro, device, dtype, args.repeat, args.profile)})
             measured(out, errors, "torch", lambda: torch_figures(model_dir, batch, args, device,
                                                                  dtype))
         if not args.skip_megatron and not args.engine_only:
@@ -253,6 +278,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--recompute", choices=["full"], default=None,
                    help="activation checkpointing in the torch trainer")
     p.add_argument("--skip-megatron", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="print torch.profiler's top ops of one HF step and one torch trainer call")
     p.add_argument("--engine-only", action="store_true",
                    help="only the engine (CUDA graph and eager) against HF generate")
     args = p.parse_args(argv)
