@@ -187,6 +187,8 @@ def torch_figures(model_dir: Path, batch, args, device: str, dtype: str) -> dict
     step_s = timed(lambda: trainer.train(batch), device, args.repeat)
     if args.profile:
         profile_table(lambda: trainer.train(batch), device, "torch trainer train()")
+    if args.train_only:
+        return {"torch_trainer_step_s": step_s}
     engine = engine_for(model_dir, args, device, dtype)
     handoff_s = timed(lambda: engine.load_state_dict(trainer.state_dict(), 1), device, repeat=3)
     with tempfile.TemporaryDirectory() as d:
@@ -251,7 +253,7 @@ def bench_shape(name: str, args, device: str, dtype: str) -> dict:
                 model_dir, batch, args.micro, device, dtype, args.repeat, args.profile)})
             measured(out, errors, "torch", lambda: torch_figures(model_dir, batch, args, device,
                                                                  dtype))
-        if not args.skip_megatron and not args.engine_only:
+        if not (args.skip_megatron or args.engine_only or args.train_only):
             measured(out, errors, "megatron", lambda: megatron_figures(model_dir, batch, args,
                                                                        dtype))
     for key in ("hf_step_s", "torch_trainer_step_s", "megatron_trainer_step_s"):
@@ -278,6 +280,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--recompute", choices=["full"], default=None,
                    help="activation checkpointing in the torch trainer")
     p.add_argument("--skip-megatron", action="store_true")
+    p.add_argument("--train-only", action="store_true",
+                   help="only the step figures (HF step, torch trainer): no engine, save, Megatron")
     p.add_argument("--profile", action="store_true",
                    help="print torch.profiler's top ops of one HF step and one torch trainer call")
     p.add_argument("--engine-only", action="store_true",
