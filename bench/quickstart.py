@@ -80,7 +80,7 @@ def iteration_split(iterations: int, overrides: list[str] = ()) -> dict:
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml",
                       [f"home={home}", f"num_rollout={iterations}", "sft.steps=20",
                        f"eval.eval_interval={iterations + 1}", *overrides])
-    configure_environment(home)
+    configure_environment(home, cfg.torch_threads)
     events: list[tuple[float, dict]] = []
 
     def on_event(event: str, payload: dict) -> None:
