@@ -36,8 +36,10 @@ class Gate:
 
 class FakeSGLang:
     """SGLang's HTTP surface with scripted behaviour: ``script`` is consumed one entry per
-    ``/generate`` call ("ok", "abort" = aborted by the server, "500", "400"; ``default`` once
-    empty); ``health`` is what ``/health_generate`` answers. Counts every call per endpoint."""
+    ``/generate`` call ("ok", "abort" = aborted by the server, "abort_first" = only the call's
+    first prompt aborted, "500", "400"; ``default`` once empty); ``health`` is what
+    ``/health_generate`` answers. Counts every call per endpoint. A call in SGLang's batch form
+    (a list of prompts) gets a list of results."""
 
     def __init__(self, version: str = "0") -> None:
         self.version, self.health, self.default = version, 200, "ok"
@@ -53,7 +55,7 @@ class FakeSGLang:
             def log_message(self, *args) -> None:  # quiet
                 pass
 
-            def _send(self, code: int, body: dict) -> None:
+            def _send(self, code: int, body: dict | list) -> None:
                 data = json.dumps(body).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
@@ -76,7 +78,7 @@ class FakeSGLang:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
                 fake.count(self.path, body)
                 if self.path == "/generate":
-                    self._generate(fake.next_behaviour())
+                    self._generate(body, fake.next_behaviour())
                 elif self.path == "/update_weights_from_disk":
                     if fake.apply_updates:
                         fake.version = body["weight_version"]
@@ -86,16 +88,21 @@ class FakeSGLang:
                 else:
                     self._send(404, {"message": self.path})
 
-            def _generate(self, behaviour: str) -> None:
+            def _generate(self, body: dict, behaviour: str) -> None:
                 if fake.gate is not None:
                     fake.gate.arrive()
                 if behaviour in ("500", "400"):
                     self._send(int(behaviour), {"message": "scripted failure"})
                     return
-                finish = "abort" if behaviour == "abort" else "stop"
-                self._send(200, {"meta_info": {"output_token_logprobs": [[-0.5, 7, "x"], [-0.25, 1, ""]],
-                                               "finish_reason": {"type": finish},
-                                               "weight_version": fake.version}})
+                batched = isinstance(body["input_ids"][0], list)  # SGLang's batch form: a list back
+                n = len(body["input_ids"]) if batched else 1
+                # "abort": the server aborted the whole call; "abort_first": only its first prompt
+                finishes = ["abort" if behaviour == "abort" or (behaviour == "abort_first" and k == 0)
+                            else "stop" for k in range(n)]
+                results = [{"meta_info": {"output_token_logprobs": [[-0.5, 7, "x"], [-0.25, 1, ""]],
+                                          "finish_reason": {"type": f}, "weight_version": fake.version}}
+                           for f in finishes]
+                self._send(200, results if batched else results[0])
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -142,7 +149,9 @@ def test_url_given_workers_serve_and_are_external(fakes):
     assert [r.token_ids for r in results] == [[7, 1]] * 8
     assert all(r.finish_reason == "stop" and r.logprobs == [-0.5, -0.25] for r in results)
     assert {r.meta["server"] for r in results} == {a.url, b.url}  # spread over both
-    assert a.calls["/generate"] + b.calls["/generate"] == 8
+    bodies = a.bodies["/generate"] + b.bodies["/generate"]  # request_batch_size 8, two workers:
+    assert [len(body["input_ids"]) for body in bodies] == [4, 4]  # two calls of 4 prompts
+    assert len({rid for body in bodies for rid in body["rid"]}) == 8  # each prompt its own id
     assert a.calls.get("/health_generate", 0) == 0  # start-up checks /health only
 
 
@@ -150,7 +159,7 @@ def test_failed_requests_stop_after_max_request_attempts(fakes):
     a = fakes()
     a.default = "500"
     with _engine([a.url]) as eng:
-        with pytest.raises(SGLangError, match="request 0 failed 3 times, last: HTTP 500"):
+        with pytest.raises(SGLangError, match=r"requests \[0\] failed 3 times, last: HTTP 500"):
             eng.generate([[3, 4]], SAMPLING)
         assert eng.stats["request_failures"] == 3
     assert a.calls["/generate"] == 3
@@ -186,6 +195,38 @@ def test_server_side_aborts_are_reissued_up_to_the_limit(fakes):
         with pytest.raises(SGLangError, match=f"aborted by the server {_MAX_REISSUES + 1} times"):
             eng.generate([[3, 4]], SAMPLING)
     assert a.calls["/generate"] == 3 + _MAX_REISSUES + 1
+
+
+def test_a_call_the_server_partly_aborted_reissues_only_those_prompts(fakes):
+    """Four prompts in one call; a weight-update pause aborts the first: only it is sent again,
+    and every result lands at its own prompt's position."""
+    a = fakes()
+    a.script = ["abort_first", "ok"]
+    with _engine([a.url]) as eng:
+        results = eng.generate([[3, 4], [5], [6], [7]], SAMPLING)
+        assert eng.stats["reissued"] == 1 and eng.stats["request_failures"] == 0
+    first, again = a.bodies["/generate"]
+    assert first["input_ids"] == [[3, 4], [5], [6], [7]] and len(first["rid"]) == 4
+    assert again["input_ids"] == [3, 4]  # one prompt: SGLang's single form
+    assert again["rid"] not in first["rid"]  # a new request id for the re-issued prompt
+    assert [r.finish_reason for r in results] == ["stop"] * 4
+    assert [r.meta["attempts"] for r in results] == [2, 1, 1, 1]
+
+
+def test_a_failed_call_is_reissued_whole_on_the_other_worker(fakes):
+    a, b = fakes(), fakes()
+    a.default = "500"
+    with _engine([a.url, b.url], request_batch_size=3) as eng:
+        results = eng.generate([[3, 4]] * 6, SAMPLING)  # two calls of 3: one lands on a, fails
+    assert a.calls["/generate"] >= 1 and all(len(x["input_ids"]) == 3 for x in b.bodies["/generate"])
+    assert [r.meta["server"] for r in results] == [b.url] * 6
+
+
+def test_request_batch_size_one_sends_a_call_per_prompt(fakes):
+    a = fakes()
+    with _engine([a.url], request_batch_size=1) as eng:
+        eng.generate([[3, 4]] * 5, SAMPLING)
+    assert [(x["input_ids"], type(x["rid"])) for x in a.bodies["/generate"]] == [([3, 4], str)] * 5
 
 
 def test_hung_worker_leaves_rotation_after_health_failures_and_comes_back(fakes):

@@ -137,12 +137,22 @@ def test_distributed_sync_then_outputs_follow_new_checkpoint(engine, ckpts):
         engine.config.weight_sync = "disk"
 
 
-def test_sync_during_rollout_keeps_each_sample_on_one_version(engine, ckpts):
+@pytest.fixture
+def calls_of_two(engine):
+    """The engine sends 2 prompts a call for one test: with 16 calls in flight, a batch of 64
+    prompts keeps some queued while the first finish."""
+    engine.config.request_batch_size = 2
+    yield 2
+    engine.config.request_batch_size = SGLangConfig().request_batch_size
+
+
+def test_sync_during_rollout_keeps_each_sample_on_one_version(engine, ckpts, calls_of_two):
     """pause_generation(abort) + re-issue: a batch in flight across a weight update completes,
     and every sample's logprobs match the one checkpoint its weight version names. The update
-    starts once the first sample is done (so some are on the old version) while the rest (32
-    prompts, 16 at a time) are in flight or queued (so some must come from the new one)."""
-    prompts = PROMPTS * 8
+    starts once the first call is done (so some samples are on the old version) while the rest
+    (64 prompts, 2 a call, 16 calls at a time) are in flight or queued (so some must come from
+    the new one). The prompts of a call the pause aborted are sent again, on the new weights."""
+    prompts = PROMPTS * 16
     batch = engine.start(prompts, SamplingParams(max_new_tokens=24, temperature=1.0))
     done, _ = wait(batch.futures, timeout=HANG_GUARD_S, return_when=FIRST_COMPLETED)
     assert done, "hang guard: no sample finished"
@@ -157,16 +167,17 @@ def test_sync_during_rollout_keeps_each_sample_on_one_version(engine, ckpts):
     assert "3" in versions and "4" in versions, versions  # the batch spans the update
 
 
-def test_abort_surplus_requests(engine):
+def test_abort_surplus_requests(engine, calls_of_two):
     before = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4))
     batch = engine.start(PROMPTS * 16, SamplingParams(max_new_tokens=64, temperature=1.0))
     wait_until(lambda: live_requests(batch) > 0, "no request of the batch went live")
     live = batch.abort()
-    assert 1 <= live <= engine.config.concurrency  # the live requests were aborted, and only those
+    in_flight = engine.config.concurrency * calls_of_two  # at most this many prompts sent at once
+    assert 1 <= live <= in_flight  # the live requests were aborted, and only those
     results = batch.results()
     assert len(results) == 64
     aborted = [r for r in results if r.finish_reason == "abort"]
-    assert len(aborted) >= 64 - engine.config.concurrency  # never-sent requests come back aborted
+    assert len(aborted) >= 64 - in_flight  # never-sent requests come back aborted
     assert all(len(r.logprobs) == len(r.token_ids) for r in results)
     after = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4))  # the engine still serves
     assert all(r.finish_reason != "abort" for r in before + after)

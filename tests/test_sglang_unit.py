@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from rollout.engine import SamplingParams
-from rollout.sglang.client import SGLangError, generate_payload, parse_generate, sampling_payload
+from rollout.sglang.client import (
+    SGLangError,
+    generate_payload,
+    parse_generate,
+    parse_generate_batch,
+    sampling_payload,
+)
 from rollout.sglang.config import SGLangConfig, section
 from rollout.sglang.server import ServerSpec
 from rollout.sglang.weight_sync import buckets
@@ -35,6 +41,32 @@ def test_sampling_payload_maps_names():
     assert "stop_token_ids" not in sampling_payload(SamplingParams(max_new_tokens=1))
     body = generate_payload([5, 6], SamplingParams(max_new_tokens=2), "r1")
     assert body["input_ids"] == [5, 6] and body["return_logprob"] is True and body["rid"] == "r1"
+
+
+def test_batched_payload_and_results():
+    body = generate_payload([[5, 6], [7]], SamplingParams(max_new_tokens=2), ["r1", "r2"])
+    assert body["input_ids"] == [[5, 6], [7]] and body["rid"] == ["r1", "r2"]
+    with pytest.raises(ValueError, match="2 prompts need as many request ids"):
+        generate_payload([[5, 6], [7]], SamplingParams(max_new_tokens=2), "r1")
+    one = {"meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": [[-1.0, 7, None]]}}
+    assert [r.token_ids for r in parse_generate_batch([one, one], 2)] == [[7], [7]]
+    with pytest.raises(SGLangError, match="1 results for 2 prompts"):
+        parse_generate_batch([one], 2)
+
+
+@pytest.mark.parametrize(("n", "size", "workers", "expected"), [
+    (8, 8, 2, [4, 4]),          # every worker gets a call
+    (20, 8, 1, [8, 8, 4]),      # consecutive, the last shorter
+    (3, 8, 4, [1, 1, 1]),       # fewer prompts than workers: one each
+    (5, 1, 1, [1] * 5),         # one call per prompt (slime's way)
+    (0, 8, 2, []),
+])
+def test_request_chunks_cut_consecutive_calls(n, size, workers, expected):
+    from rollout.sglang.engine import request_chunks
+
+    chunks = request_chunks(n, size, workers)
+    assert [len(c) for c in chunks] == expected
+    assert [i for c in chunks for i in c] == list(range(n))
 
 
 def test_parse_generate_maps_logprobs_and_finish_reason():

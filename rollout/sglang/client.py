@@ -34,14 +34,28 @@ def sampling_payload(sampling: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def generate_payload(input_ids: list[int], sampling: SamplingParams, rid: str) -> dict[str, Any]:
-    """The ``/generate`` body: token ids in, token ids + per-token logprobs out."""
+def generate_payload(input_ids: list[int] | list[list[int]], sampling: SamplingParams,
+                     rid: str | list[str]) -> dict[str, Any]:
+    """The ``/generate`` body: token ids in, token ids + per-token logprobs out. A list of
+    prompts with a list of as many ``rid`` is SGLang's batch form: one call, one result each."""
+    batched = bool(input_ids) and isinstance(input_ids[0], list | tuple)
+    if batched and (isinstance(rid, str) or len(rid) != len(input_ids)):
+        raise ValueError(f"{len(input_ids)} prompts need as many request ids, got {rid!r}")
     return {
-        "input_ids": [int(t) for t in input_ids],
+        "input_ids": [[int(t) for t in p] for p in input_ids] if batched else [int(t) for t in input_ids],
         "sampling_params": sampling_payload(sampling),
         "return_logprob": True,
-        "rid": rid,
+        "rid": list(rid) if batched else rid,
     }
+
+
+def parse_generate_batch(resp: list[dict[str, Any]] | dict[str, Any], n: int) -> list[GenerationResult]:
+    """SGLang's answer to a batched ``/generate`` (a list, one entry per prompt, in prompt
+    order) -> one GenerationResult per prompt (``parse_generate``)."""
+    items = resp if isinstance(resp, list) else [resp]
+    if len(items) != n:
+        raise SGLangError(f"/generate: {len(items)} results for {n} prompts")
+    return [parse_generate(item) for item in items]
 
 
 def parse_generate(resp: dict[str, Any]) -> GenerationResult:

@@ -1,8 +1,10 @@
 """SGLangEngine: the rollout engine interface over real SGLang servers.
 
-Generation: one ``/generate`` call per prompt (token ids in, token ids + logprobs out), at most
-``concurrency`` in flight, spread over the workers by least in-flight count (or through an
-sglang-router). A ``RolloutBatch`` can be aborted (dynamic sampling: stop the surplus).
+Generation: ``/generate`` calls of ``request_batch_size`` consecutive prompts each (token ids in,
+token ids + logprobs out; ``request_chunks``), at most ``concurrency`` in flight, spread over the
+workers by least in-flight count (or through an sglang-router, one prompt a call). Each prompt keeps its own request
+id and its own result: a ``RolloutBatch`` can be aborted (dynamic sampling: stop the surplus), and
+the prompts of a call the server aborted (a weight-update pause) or lost are re-issued.
 Weight sync: ``pause_generation`` -> disk or distributed update on every worker ->
 served ``weight_version`` checked on every worker -> ``continue_generation``.
 Fault tolerance: a monitor thread probes ``/health_generate``; a dead or hung server it launched
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import tempfile
 import threading
 import time
@@ -32,7 +35,7 @@ from rollout.sglang.client import (
     SGLangError,
     generate_payload,
     healthy,
-    parse_generate,
+    parse_generate_batch,
     post,
     served_weight_version,
 )
@@ -55,6 +58,16 @@ from rollout.sglang.weight_sync import (
 log = logging.getLogger(__name__)
 _MAX_REISSUES = 50  # re-issues after server-side aborts (weight-update pauses), per request
 _CONNECTION_LOST = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+def request_chunks(n: int, request_batch_size: int, workers: int) -> list[list[int]]:
+    """Prompt indices ``0..n-1`` cut into consecutive ``/generate`` calls of ``size`` prompts
+    (the last may be shorter), small enough that every worker gets one:
+
+        size = max(1, min(request_batch_size, ceil(n / workers)))
+    """
+    size = max(1, min(request_batch_size, math.ceil(n / max(1, workers))))
+    return [list(range(lo, min(lo + size, n))) for lo in range(0, n, size)]
 
 
 @dataclass
@@ -233,9 +246,27 @@ class SGLangEngine:
         if self._closed:
             raise RuntimeError("SGLangEngine is shut down")
         batch = RolloutBatch(self)
-        batch.futures = [self._pool.submit(self._request, batch, i, list(p), sampling)
-                         for i, p in enumerate(prompts)]
+        batch.futures = [Future() for _ in prompts]
+        # sglang-router refuses a list of request ids (HTTP 422): behind it, one prompt a call
+        size = 1 if self.router_url else self.config.request_batch_size
+        for indices in request_chunks(len(prompts), size, len(self.workers)):
+            call = self._pool.submit(self._settle, batch, indices, [list(prompts[i]) for i in indices], sampling)
+            # a call the shutdown cancelled before it ran leaves no prompt of it waiting
+            call.add_done_callback(lambda c, ix=indices: c.cancelled() and [batch.futures[i].cancel() for i in ix])
         return batch
+
+    def _settle(self, batch: RolloutBatch, indices: list[int], prompts: list[list[int]],
+                sampling: SamplingParams) -> None:
+        """Run one call's prompts (``_request``) and hand each its result (or the error)."""
+        live = [i for i in indices if batch.futures[i].set_running_or_notify_cancel()]
+        try:
+            results = self._request(batch, indices, prompts, sampling)
+        except BaseException as err:  # noqa: BLE001 - each prompt's future raises it
+            for i in live:
+                batch.futures[i].set_exception(err)
+            return
+        for i in live:
+            batch.futures[i].set_result(results[i])
 
     def _acquire(self, avoid: Worker | None = None) -> Worker:
         """The up worker with the fewest requests in flight, other than ``avoid`` when another
@@ -257,30 +288,44 @@ class SGLangEngine:
         with self._cond:
             w.inflight -= 1
 
-    def _request(self, batch: RolloutBatch, index: int, prompt: list[int], sampling: SamplingParams) -> GenerationResult:
+    def _request(self, batch: RolloutBatch, indices: list[int], prompts: list[list[int]],
+                 sampling: SamplingParams) -> dict[int, GenerationResult]:
+        """One ``/generate`` call for ``prompts`` (batch positions ``indices``), again for those
+        the server aborted (a weight-update pause: up to ``_MAX_REISSUES`` times) and, on another
+        worker, for all that a failed call lost (up to ``max_request_attempts``)."""
+        pending = dict(zip(indices, prompts, strict=True))
+        done: dict[int, GenerationResult] = {}
         failures = reissues = 0
         last_failed: Worker | None = None
-        while True:
+        while pending:
             if batch.aborted.is_set():
-                return GenerationResult([], [], "abort", meta={"attempts": failures + reissues})
+                for i in pending:
+                    done[i] = GenerationResult([], [], "abort", meta={"attempts": failures + reissues})
+                return done
             worker = self._acquire(avoid=last_failed)
             target = self.router_url or worker.url
-            rid = uuid.uuid4().hex
-            batch.track(index, worker.url, rid)
+            rids = {i: uuid.uuid4().hex for i in pending}
+            for i, rid in rids.items():
+                batch.track(i, worker.url, rid)
             error: str | None = None
             try:
-                r = self.http.post(f"{target}/generate", json=generate_payload(prompt, sampling, rid),
-                                   timeout=self.config.request_timeout_s)
+                ids, names = list(pending.values()), list(rids.values())
+                # one prompt in SGLang's single form (all sglang-router takes), several in its batch form
+                body = (generate_payload(ids[0], sampling, names[0]) if len(ids) == 1
+                        else generate_payload(ids, sampling, names))
+                r = self.http.post(f"{target}/generate", json=body, timeout=self.config.request_timeout_s)
                 if r.status_code == 200:
-                    result = parse_generate(r.json())
-                    if result.finish_reason != "abort" or batch.aborted.is_set():
-                        result.meta.update(server=target, attempts=failures + reissues + 1)
-                        return result
-                    reissues += 1  # aborted by the server (a weight-update pause): run it again
-                    with self._cond:
-                        self.stats["reissued"] += 1
-                    if reissues > _MAX_REISSUES:
-                        raise SGLangError(f"request {index} aborted by the server {reissues} times")
+                    for i, result in zip(rids, parse_generate_batch(r.json(), len(rids)), strict=True):
+                        if result.finish_reason != "abort" or batch.aborted.is_set():
+                            result.meta.update(server=target, attempts=failures + reissues + 1)
+                            done[i] = result
+                            del pending[i]
+                    if pending:  # aborted by the server (a weight-update pause): run them again
+                        reissues += 1
+                        with self._cond:
+                            self.stats["reissued"] += len(pending)
+                        if reissues > _MAX_REISSUES:
+                            raise SGLangError(f"requests {sorted(pending)} aborted by the server {reissues} times")
                     continue
                 if 400 <= r.status_code < 500:
                     raise SGLangError(f"{target}/generate: HTTP {r.status_code}: {r.text[:300]}")
@@ -290,18 +335,20 @@ class SGLangEngine:
                 if not self.router_url and isinstance(e, _CONNECTION_LOST):
                     self._set_up(worker, False)  # until the monitor sees it healthy (or restarts it)
             finally:
-                batch.untrack(index)
+                for i in rids:
+                    batch.untrack(i)
                 self._release(worker)
             failures += 1
             with self._cond:
                 self.stats["request_failures"] += 1
-                self.stats["reissued"] += 1
-            log.warning("request %d on %s failed (%s); re-issuing", index, worker.url, error)
+                self.stats["reissued"] += len(pending)
+            log.warning("requests %s on %s failed (%s); re-issuing", sorted(pending), worker.url, error)
             if failures >= self.config.max_request_attempts:
-                raise SGLangError(f"request {index} failed {failures} times, last: {error}")
+                raise SGLangError(f"requests {sorted(pending)} failed {failures} times, last: {error}")
             last_failed = worker
             self._suspect(worker)
             time.sleep(min(2.0, 0.2 * failures))
+        return done
 
     # ----------------------------------------------------------------- weight sync
     def update_weights(self, checkpoint_dir: str, weight_version: int) -> None:
