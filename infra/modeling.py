@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -10,6 +17,7 @@ import torch
 from infra import qwen2
 from infra import tokenizer as tokenizer_cache
 from infra.config import ConfigError, TinyModelConfig
+from infra.db_template import cache_dir
 from infra.tokenizer import PlainTokenizer
 
 if TYPE_CHECKING:
@@ -65,6 +73,78 @@ def build_tiny_model(out_dir: str | Path, tiny: TinyModelConfig, seed: int = 0) 
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+# what a tiny model folder holds once complete (a folder missing one is built again)
+TINY_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def tiny_model_key(tiny: TinyModelConfig, seed: int) -> str:
+    """What a tiny model's bits depend on: its config, the seed, the torch and transformers
+    versions (their init code) and the CPU's vector instruction set (torch's CPU sampling
+    kernels differ between them), hashed."""
+    try:
+        transformers_version = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        transformers_version = ""
+    parts = [tiny.model_dump_json(), str(seed), torch.__version__, transformers_version,
+             torch.backends.cpu.get_cpu_capability()]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def _complete(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in TINY_MODEL_FILES)
+
+
+def _copy_folder(source: Path, target: Path) -> None:
+    """``source`` copied to ``target`` under a temporary name, then one rename: a reader never
+    sees half a folder."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    shutil.rmtree(target, ignore_errors=True)  # an incomplete one left by a crash
+    os.replace(tmp, target)
+
+
+def tiny_model(out_dir: str | Path, tiny: TinyModelConfig, seed: int = 0) -> Path:
+    """``build_tiny_model``'s folder at ``out_dir``, built once per machine and configuration:
+
+        {cache}/tiny-models/<tiny_model_key(tiny, seed)>/
+
+    A complete folder already at ``out_dir`` (a resumed run's) is used as it is; else the cached
+    one is copied there, building it first when missing. Building imports transformers (seconds
+    of start-up, ~5 s here); a copy does not, and holds the same bytes."""
+    out = Path(out_dir)
+    if _complete(out):
+        return out
+    cached = cache_dir() / "tiny-models" / tiny_model_key(tiny, seed)
+    if not _complete(cached):
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            with open(cached.parent / ".lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; a complete folder is never removed
+                if not _complete(cached):
+                    built = cached.with_name(f".{cached.name}.{os.getpid()}.build")
+                    shutil.rmtree(built, ignore_errors=True)
+                    build_tiny_model(built, tiny, seed)
+                    shutil.rmtree(cached, ignore_errors=True)  # an incomplete one
+                    os.replace(built, cached)
+        except OSError:  # a read-only cache: build in place, as before the cache
+            return build_tiny_model(out, tiny, seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _copy_folder(cached, out)
+    return out
+
+
+def use_deterministic_algorithms() -> None:
+    """``torch.use_deterministic_algorithms(True)`` without what that call imports first:
+    ``torch._inductor.config`` (with torch._dynamo and sympy: ~2.6 s of start-up here), only to
+    set the flag torch.compile reads, and rlake compiles nothing. Once inductor is loaded the
+    call is torch's own, so that flag is set too."""
+    if "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(True)
+    else:
+        torch._C._set_deterministic_algorithms(True)
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

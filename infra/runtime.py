@@ -11,13 +11,11 @@ import shutil
 from functools import partial
 from pathlib import Path
 
-import torch
-
 from buffer import Lake
 from infra.checkpoints import prunable, resume_checkpoint, saved_versions
 from infra.cluster import megatron_ray_ranks, required_cpus
 from infra.config import RunConfig, config_from_dict
-from infra.modeling import build_tiny_model, load_tokenizer, placement
+from infra.modeling import load_tokenizer, placement, tiny_model, use_deterministic_algorithms
 from infra.sides import RolloutSide
 from infra.startup import new_run_id  # noqa: F401 - re-exported (flows.replay)
 from infra.tracker_process import TrackerProcess
@@ -147,7 +145,7 @@ def _base_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model.path '{path}' is not an HF model folder (no config.json)")
         return path
-    return build_tiny_model(run_dir / "base_model", cfg.model.tiny, seed=cfg.seed)
+    return tiny_model(run_dir / "base_model", cfg.model.tiny, seed=cfg.seed)
 
 
 def _make_engine(cfg: RunConfig, model_dir: Path, tokenizer, version: int) -> RolloutEngine:
@@ -235,7 +233,7 @@ def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False
     start_version, start_iteration = 0, 0
     model_dir = base
     if cfg.deterministic:
-        torch.use_deterministic_algorithms(True)
+        use_deterministic_algorithms()
     if resume:
         start_iteration, start_version, model_dir = resume_point(rt, base)
         rt.mlflow_run_id = row.get("mlflow_run_id")
