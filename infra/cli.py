@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from infra import quick_exit
 from infra.config import load_config
 from infra.lake_cli import lake_app, sql_command
 from infra.ui_cli import ui_command
@@ -107,6 +108,7 @@ def main() -> None:
         code = _fail(err)
     if code == 130:
         _interrupted()
+    quick_exit.exit_code = code
     sys.exit(code)
 
 

@@ -1,6 +1,7 @@
 """What a run's start-up leaves out: the tiny model is built once per machine and configuration,
 then copied (``infra.modeling.tiny_model``: same bytes as a fresh build, no transformers import);
-``deterministic: true`` sets torch's flag without importing torch._inductor."""
+``deterministic: true`` sets torch's flag without importing torch._inductor; and at the end, the
+CLI's process skips Python's teardown (``infra.quick_exit``)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,20 @@ def test_deterministic_algorithms_without_inductor():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "False"]
+
+
+def test_the_cli_ends_after_every_exit_handler_with_its_exit_code(tmp_path):
+    """``infra.quick_exit``: a command's process skips Python's teardown, but only after every
+    other exit handler ran and the output was flushed; with its own exit code."""
+    marker = tmp_path / "handler-ran"
+    code = ("import atexit, sys; import infra.cli as cli; "
+            f"atexit.register(lambda: open({str(marker)!r}, 'w').write('ran')); "
+            "print('before the command', flush=False); sys.argv = ['rlake', 'no-such-command']; cli.main()")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2, out.stderr[-2000:]  # a usage error
+    assert out.stdout.startswith("before the command") and "No such command" in out.stdout + out.stderr
+    assert marker.read_text() == "ran"
+    # imported without main (a test, a script): the process ends as Python ends it
+    plain = subprocess.run([sys.executable, "-c", "import sys, infra.cli; print('x'); sys.exit(3)"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert (plain.returncode, plain.stdout) == (3, "x\n")
