@@ -113,6 +113,9 @@ def rollout_process_main(spec: dict[str, Any], inbox, outbox) -> None:
     """Entry of the spawned process: ``spec`` = {config, run_id, version, parent_pid, api_url,
     run_tag}. Reports ("ready", next batch), ("rows", b, stats, rows), ("appended", b, Delta
     version or None), ("error", text)."""
+    # before torch and Prefect: its exit handler then runs after theirs (infra/quick_exit.py)
+    from infra import quick_exit
+
     die_with_parent(spec["parent_pid"])
     if spec.get("api_url"):
         os.environ["PREFECT_API_URL"] = spec["api_url"]
@@ -142,3 +145,6 @@ def rollout_process_main(spec: dict[str, Any], inbox, outbox) -> None:
     except BaseException:
         outbox.put(("error", traceback.format_exc()))
         raise
+    # the training side waits for this process to end: without Python's teardown (~1.5 s), once
+    # multiprocessing flushed the queues and Prefect drained its events
+    quick_exit.exit_code = 0

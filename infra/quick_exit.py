@@ -6,9 +6,10 @@ over the millions of objects torch, Prefect and pydantic made and frees them one
 s of CPU at every ``rlake`` command's exit here, and the OS frees that memory anyway. DuckDB's
 bindings also print "leaked instance" warnings when the collections are skipped any other way.
 
-Imported first by ``infra.cli``, so its handler is registered before any other and runs after
-them all; it does nothing unless ``main`` set the exit code (an import, e.g. by a test, leaves
-the process alone).
+Imported first by ``infra.cli`` (and by async mode's rollout process, ``flows.rollout_side``),
+so its handler is registered before any other and runs after them all; it does nothing unless
+the exit code was set (by ``main``, or the rollout process on success: an import, e.g. by a
+test, leaves the process alone).
 """
 
 from __future__ import annotations
