@@ -1,4 +1,4 @@
-"""Ready-built SQLite databases kept in rlake's cache and copied into fresh homes.
+"""Ready-built SQLite databases (and other files or folders) kept in rlake's cache and copied in.
 
 A database whose empty state depends only on an installed package (Prefect's server database
 after its migrations, MLflow's tracking database after its own) costs seconds to build in every
@@ -43,13 +43,17 @@ def template_path(kind: str, dists: tuple[str, ...]) -> Path:
 
 
 def copy_in(template: Path, target: Path) -> bool:
-    """Copy ``template`` to ``target`` (atomically) when the target does not exist and the
-    template does; True when copied."""
+    """Copy ``template`` (a file or a folder) to ``target`` (atomically) when the target does not
+    exist and the template does; True when copied."""
     if target.exists() or not template.exists():
         return False
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    shutil.copyfile(template, tmp)
+    if template.is_dir():
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(template, tmp)
+    else:
+        shutil.copyfile(template, tmp)
     os.replace(tmp, target)
     return True
 
@@ -72,7 +76,10 @@ def write_once(template: Path, write: Callable[[Path], None], wait: bool) -> boo
             write(tmp)
             os.replace(tmp, template)
         finally:
-            tmp.unlink(missing_ok=True)
+            if tmp.is_dir():  # a folder ``write`` left half-built
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
     return True
 
 

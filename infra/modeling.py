@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import os
 import shutil
 import sys
 from importlib import metadata
@@ -17,7 +15,7 @@ import torch
 from infra import qwen2
 from infra import tokenizer as tokenizer_cache
 from infra.config import ConfigError, TinyModelConfig
-from infra.db_template import cache_dir
+from infra.db_template import cache_dir, copy_in, write_once
 from infra.tokenizer import PlainTokenizer
 
 if TYPE_CHECKING:
@@ -96,43 +94,25 @@ def _complete(folder: Path) -> bool:
     return all((folder / name).is_file() for name in TINY_MODEL_FILES)
 
 
-def _copy_folder(source: Path, target: Path) -> None:
-    """``source`` copied to ``target`` under a temporary name, then one rename: a reader never
-    sees half a folder."""
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source, tmp)
-    shutil.rmtree(target, ignore_errors=True)  # an incomplete one left by a crash
-    os.replace(tmp, target)
-
-
 def tiny_model(out_dir: str | Path, tiny: TinyModelConfig, seed: int = 0) -> Path:
     """``build_tiny_model``'s folder at ``out_dir``, built once per machine and configuration:
 
         {cache}/tiny-models/<tiny_model_key(tiny, seed)>/
 
     A complete folder already at ``out_dir`` (a resumed run's) is used as it is; else the cached
-    one is copied there, building it first when missing. Building imports transformers (seconds
-    of start-up, ~5 s here); a copy does not, and holds the same bytes."""
+    one is copied there, building it first when missing (``db_template.write_once``: one builder,
+    a folder renamed into place whole). Building imports transformers (seconds of start-up, ~5 s
+    here); a copy does not, and holds the same bytes."""
     out = Path(out_dir)
     if _complete(out):
         return out
     cached = cache_dir() / "tiny-models" / tiny_model_key(tiny, seed)
-    if not _complete(cached):
-        try:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            with open(cached.parent / ".lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; a complete folder is never removed
-                if not _complete(cached):
-                    built = cached.with_name(f".{cached.name}.{os.getpid()}.build")
-                    shutil.rmtree(built, ignore_errors=True)
-                    build_tiny_model(built, tiny, seed)
-                    shutil.rmtree(cached, ignore_errors=True)  # an incomplete one
-                    os.replace(built, cached)
-        except OSError:  # a read-only cache: build in place, as before the cache
-            return build_tiny_model(out, tiny, seed)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _copy_folder(cached, out)
+    try:
+        write_once(cached, lambda tmp: build_tiny_model(tmp, tiny, seed), wait=True)
+    except OSError:  # a read-only cache: build in place, as before the cache
+        return build_tiny_model(out, tiny, seed)
+    shutil.rmtree(out, ignore_errors=True)  # an incomplete one left by a crash
+    copy_in(cached, out)
     return out
 
 

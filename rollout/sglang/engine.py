@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,13 @@ def request_chunks(n: int, request_batch_size: int, workers: int) -> list[list[i
     """
     size = max(1, min(request_batch_size, math.ceil(n / max(1, workers))))
     return [list(range(lo, min(lo + size, n))) for lo in range(0, n, size)]
+
+
+def _cancel_if_cancelled(prompt_futures: list[Future], call: Future) -> None:
+    """A call the shutdown cancelled before it ran leaves none of its prompts waiting."""
+    if call.cancelled():
+        for future in prompt_futures:
+            future.cancel()
 
 
 @dataclass
@@ -251,8 +259,7 @@ class SGLangEngine:
         size = 1 if self.router_url else self.config.request_batch_size
         for indices in request_chunks(len(prompts), size, len(self.workers)):
             call = self._pool.submit(self._settle, batch, indices, [list(prompts[i]) for i in indices], sampling)
-            # a call the shutdown cancelled before it ran leaves no prompt of it waiting
-            call.add_done_callback(lambda c, ix=indices: c.cancelled() and [batch.futures[i].cancel() for i in ix])
+            call.add_done_callback(partial(_cancel_if_cancelled, [batch.futures[i] for i in indices]))
         return batch
 
     def _settle(self, batch: RolloutBatch, indices: list[int], prompts: list[list[int]],
