@@ -4,7 +4,8 @@ process (flows/rollout_side.py) and the two share only the lake and the weight h
     rl_iteration(i)   (a Prefect flow run, tagged with the run and rlake-batch:i)
       wait until the rollout side sent batch i's rows    (usually already: rollout runs ahead)
       batch i's slice (version >= v - k), from the rows sent (from the lake after a resume)
-      train -> v+1 -> train_steps row                    (after batch i's lake commit landed)
+      train -> v+1 -> train_steps row                    (after batch i's lake commit landed;
+                                                          behind, while i + 1 trains)
       hand v+1 to the rollout side (in memory, after the commit: the rollout side never
       generates with a version that a crash could take back)
       evaluate (every eval_interval)
@@ -32,6 +33,7 @@ import os
 import queue
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from functools import partial
 
@@ -41,7 +43,7 @@ from prefect import flow
 from flows.guards import check_rewards
 from flows.prefetch import IterationRuns, ahead
 from flows.rollout_side import batch_tag, rollout_process_main
-from flows.steps import landed, phase, train_and_commit
+from flows.steps import commits_behind, landed, phase, settle_commit, train_and_commit
 from infra.faults import ENV as FAULT_ENV
 from infra.faults import fault_point, set_iteration
 from infra.recovery import run_tag
@@ -98,10 +100,16 @@ class RolloutProcess:
                 os.environ[FAULT_ENV] = fault
         return self
 
-    def hand_off(self, version: int) -> None:
-        """Send the trainer's weights as ``version`` (returns at once; a feeder thread sends)."""
-        weights = in_process_weights_of(self.rt)
-        self.inbox.put(("weights", version, pack_weights(weights)))
+    def hand_off(self, version: int, after: Future | None = None) -> None:
+        """Send the trainer's weights as ``version`` (returns at once; a feeder thread sends).
+        With ``after`` (the commit of ``version``, running behind) they are packed now and sent
+        once it succeeded, from the thread that ran it (never, if it failed: the run fails)."""
+        message = ("weights", version, pack_weights(in_process_weights_of(self.rt)))
+        if after is None:
+            self.inbox.put(message)
+        else:
+            after.add_done_callback(
+                lambda done: self.inbox.put(message) if done.exception() is None else None)
 
     def _receive(self, timeout: float) -> None:
         try:
@@ -186,17 +194,21 @@ def train_iteration(rt: Runtime, producer: RolloutProcess, iteration: int) -> di
         reader = partial(_read_batch, batch=iteration)
     # the rollout side's own phase times, kept apart from the training side's time/*
     stats = {k.replace("time/", "rollout/time_"): v for k, v in stats.items()}
-    metrics = train_and_commit(rt, iteration, base_version, stats, timings, read_slice=reader)
+    evaluating = (iteration + 1) % rt.cfg.eval.eval_interval == 0 or iteration + 1 == rt.cfg.num_rollout
+    metrics = train_and_commit(rt, iteration, base_version, stats, timings, read_slice=reader,
+                               behind=commits_behind(rt, iteration, evaluating))
     if iteration + 1 < rt.cfg.num_rollout:  # the rollout side has no batch left after
-        producer.hand_off(rt.trainer.weight_version)
+        # after the commit: the rollout side never generates with a version a crash takes back
+        producer.hand_off(rt.trainer.weight_version, after=rt.pending_commit)
     timings["total"] = time.perf_counter() - start
     metrics.update({f"time/{k}": v for k, v in timings.items()})
-    if (iteration + 1) % rt.cfg.eval.eval_interval == 0 or iteration + 1 == rt.cfg.num_rollout:
+    if evaluating:
         metrics["eval/accuracy"] = evaluate(rt, iteration + 1)["accuracy"]
     return metrics
 
 
 def _read_batch(rt: Runtime, weight_version: int, batch: int):
+    settle_commit(rt)  # the lake's unconsumed rows: the last step's row must be in
     return read_rollout_batch(rt, weight_version, batch)
 
 
@@ -239,9 +251,17 @@ def run_async(rt: Runtime, reporter: Callable[[str, dict], None], producer: Roll
     def batch_tags(i: int) -> set[str]:  # links the iteration to the batch it trains on
         return {batch_tag(i)}
 
-    with IterationRuns(rl_iteration) as runs:  # the next iterations' runs are created during i
-        for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
-            metrics = runs.run(parameters(iteration), batch_tags(iteration),
-                               upcoming=ahead(iteration, rt.cfg.num_rollout, parameters, batch_tags))
-            reporter("iteration", {"iteration": iteration, **metrics})
-            check_rewards(rt, iteration, metrics)
+    # the next iterations' runs are created during i; i's Completed waits for its commit, which
+    # may run behind while i + 1 trains (flows.steps)
+    with IterationRuns(rl_iteration, hold=lambda: rt.pending_commit) as runs:
+        try:
+            for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
+                metrics = runs.run(parameters(iteration), batch_tags(iteration),
+                                   upcoming=ahead(iteration, rt.cfg.num_rollout, parameters,
+                                                  batch_tags))
+                reporter("iteration", {"iteration": iteration, **metrics})
+                check_rewards(rt, iteration, metrics)
+        except BaseException:
+            settle_commit(rt, raise_error=False)  # what trained is committed, then the error
+            raise
+        settle_commit(rt)

@@ -37,10 +37,10 @@ from flows.durability import (
 )
 from flows.durability import update_run_row as _update_run
 from flows.guards import check_rewards
-from flows.prefetch import IterationRuns, ahead, final_state_held
-from flows.steps import landed, phase, settle_commit, train_and_commit
+from flows.prefetch import IterationRuns, ahead
+from flows.steps import commits_behind, landed, phase, settle_commit, train_and_commit
 from infra.config import RunConfig, config_from_dict
-from infra.faults import POST_COMMIT_POINTS, fault_armed, fault_point, set_iteration
+from infra.faults import fault_point, set_iteration
 from infra.recovery import run_tag
 from infra.runtime import RUNTIMES, Runtime, open_runtime
 from rollout.sample import Status
@@ -111,17 +111,6 @@ def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
     if evaluating:
         metrics["eval/accuracy"] = evaluate(rt, iteration + 1)["accuracy"]
     return metrics
-
-
-def commits_behind(rt: Runtime, iteration: int, evaluating: bool) -> bool:
-    """Whether iteration ``iteration`` commits behind (``flows.steps.run_behind``): the next
-    iteration generates while its train_steps row is written. Only on a pre-created flow run,
-    whose Completed ``IterationRuns`` holds until the commit landed (a plain subflow call's would
-    go out before it: a process's first iteration, or one whose run could not be created ahead);
-    not one that evaluates (the evaluation follows the commit) or the last, nor one where a fault
-    point after the commit is armed (the kill then comes inside this iteration's flow run)."""
-    return (final_state_held() and iteration < rt.cfg.num_rollout - 1 and not evaluating
-            and not any(fault_armed(p, iteration) for p in POST_COMMIT_POINTS))
 
 
 @flow(name="rl_run")

@@ -3,8 +3,9 @@
     read slice -> train -> publish (engine; checkpoint every save_interval, in the background)
     -> train_steps row (THE commit) -> MLflow metrics -> model version (lineage)
 
-The commit and what follows it (``commit_step``) may run behind: on a thread of its own while a
-sync run's next iteration generates (``run_behind``, ``settle_commit``). The named fault points
+The commit and what follows it (``commit_step``) may run behind: on a thread of its own while the
+next iteration generates (sync) or trains (async) (``run_behind``, ``settle_commit``; the next
+commit, and the next checkpoint, come after it). The named fault points
 (infra/faults.py) sit between the steps.
 """
 
@@ -23,8 +24,9 @@ import pyarrow as pa
 from prefect.utilities.annotations import quote
 
 from flows.durability import register_version
+from flows.prefetch import final_state_held
 from infra.checkpoints import checkpoint_due
-from infra.faults import AFTER_APPEND_POINTS, fault_armed, fault_join, fault_point
+from infra.faults import AFTER_APPEND_POINTS, POST_COMMIT_POINTS, fault_armed, fault_join, fault_point
 from infra.runtime import Runtime
 from tasks.lake import read_training_slice, record_train_step
 from tasks.rebuild import RECORDED_TERMS, seed_training
@@ -91,6 +93,9 @@ def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_sta
     seed_training(rt, iteration)
     with phase(timings, "train"):
         train_metrics = train(rt, training_slice)
+    if rt.pending_commit is not None:  # async mode: the last commit ran behind this training
+        with phase(timings, "commit_wait"):
+            settle_commit(rt)
     fault_point("during_train")
     new_version = rt.trainer.weight_version
     total = rt.cfg.num_rollout if total is None else total
@@ -115,6 +120,18 @@ def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_sta
         else:
             commit()
     return metrics
+
+
+def commits_behind(rt: Runtime, iteration: int, evaluating: bool) -> bool:
+    """Whether iteration ``iteration`` commits behind (``run_behind``): the next iteration
+    generates (sync) or trains (async) while this one's train_steps row is written. Only on a
+    pre-created flow run, whose Completed ``IterationRuns`` holds until the commit landed (a
+    plain subflow call's would go out before it: a process's first iteration, or one whose run
+    could not be created ahead); not one that evaluates (the evaluation follows the commit) or
+    the last, nor one where a fault point after the commit is armed (the kill then comes inside
+    this iteration's flow run)."""
+    return (final_state_held() and iteration < rt.cfg.num_rollout - 1 and not evaluating
+            and not any(fault_armed(p, iteration) for p in POST_COMMIT_POINTS))
 
 
 def commit_step(rt: Runtime, iteration: int, row: dict, logged: dict[str, float],

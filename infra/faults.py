@@ -49,8 +49,8 @@ POINTS: dict[str, str] = {
 # (a kill there then always leaves rows to reuse; unarmed, nothing waits).
 AFTER_APPEND_POINTS = ("during_train", "during_checkpoint_save", "after_checkpoint_save",
                        "during_weight_handoff")
-# Points after the train_steps commit: a sync iteration commits behind (the next iteration
-# generates meanwhile, flows.steps), so with one of these armed the iteration commits before it
+# Points after the train_steps commit: an iteration commits behind (the next iteration
+# generates or trains meanwhile, flows.steps), so with one of these armed the iteration commits before it
 # ends instead (the kill then comes inside that iteration's flow run, at a known place).
 POST_COMMIT_POINTS = ("during_background_write", "during_mlflow_log")
 _STATE = {"iteration": -1}

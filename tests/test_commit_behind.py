@@ -1,11 +1,14 @@
-"""A sync iteration commits behind (flows.steps.run_behind): its ``train_steps`` row is written on
-a thread of its own while the next iteration generates, and the next iteration's trajectories
-are appended only after that row (a resume then never finds rows of an iteration whose previous
-step is uncommitted).
+"""An iteration commits behind (flows.steps.run_behind): its ``train_steps`` row is written on a
+thread of its own while the next iteration generates (sync) or trains (async).
 
-The run's ``train_steps`` append is slowed by ``SLOW_S`` (longer than an iteration's generation)
-so that the order can only hold because the next iteration waited for it: without that wait its
-trajectories would land first. The first iteration of a process, the last one, one that
+Sync: the next iteration's trajectories are appended only after that row (a resume then never
+finds rows of an iteration whose previous step is uncommitted). Async: the weights the step made
+reach the rollout side only after that row (the rollout side never generates with a version a
+crash could take back), and the next step's row comes after it.
+
+The run's ``train_steps`` append is slowed by ``SLOW_S`` (longer than an iteration's generation
+or training) so that each order can only hold because something waited for the commit: without
+that wait the next rows would land first. The first iteration of a process, the last one, one that
 evaluates and one whose flow run could not be created ahead (a plain subflow call: Prefect would
 get its Completed before the commit) commit inline: their ``record`` phase holds the slow
 append, the others' does not.
@@ -16,7 +19,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from datetime import datetime
+from datetime import UTC, datetime
+
+import pytest
 
 from buffer import Lake
 from buffer.delta import GUARDS_KEY
@@ -31,6 +36,14 @@ REFUSED = 3  # the creation of this iteration's run ahead fails: it runs on a pl
 
 SCRIPT = f"""
 import json, sys, time
+from infra.env import configure_environment
+from infra.prefect_server import EmbeddedServer
+
+home = sys.argv[1]
+configure_environment(home)
+server = EmbeddedServer.start(home)  # as `rlake run` does: before Prefect reads its settings
+server.wait()
+
 from buffer.lake import Lake
 
 append = Lake.append_train_step
@@ -49,15 +62,15 @@ IterationRuns._create = refusing_create
 
 from flows.rl import rl_run, set_reporter
 from infra.config import load_config
-from infra.env import configure_environment
 
-home = sys.argv[1]
 cfg = load_config("configs/quickstart.yaml", [f"home={{home}}", "num_rollout={N_ITER}",
                   "eval.eval_interval={EVAL_AFTER}", *sys.argv[2:]])
-configure_environment(home)
 events = []
 set_reporter(lambda event, payload: events.append(payload) if event == "iteration" else None)
-rl_run(cfg.model_dump(), run_id="behind")
+try:
+    rl_run(cfg.model_dump(), run_id="behind")
+finally:
+    server.stop()
 print(json.dumps([{{k: p.get(k) for k in ("iteration", "time/record", "time/commit_wait")}}
                   for p in events]))
 """
@@ -77,9 +90,12 @@ def _commit_times(lake: Lake, table: str, prefix: str) -> dict[int, datetime]:
     return out
 
 
-def test_the_next_iteration_appends_only_after_the_commit_behind(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_commit_behind_lands_before_what_depends_on_it(tmp_path, mode):
     home = tmp_path / "home"
     overrides = [TINY[i + 1] for i in range(0, len(TINY), 2)]
+    if mode == "async":
+        overrides += ["mode=async", "trainer.max_staleness=1"]
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(home), *overrides], cwd=REPO,
                           env=cli_env(None, PYTHONPATH=str(REPO)), capture_output=True, text=True,
                           timeout=600)
@@ -95,11 +111,30 @@ def test_the_next_iteration_appends_only_after_the_commit_behind(tmp_path):
     steps = _commit_times(lake, "train_steps", "rlake/train_steps/behind/")
     rollouts = _commit_times(lake, "trajectories", "rlake/trajectories/behind/")
     assert sorted(steps) == sorted(rollouts) == list(range(N_ITER))
-    for i in range(N_ITER - 1):
-        assert steps[i] <= rollouts[i + 1], (i, steps, rollouts)
-    # every step consumed its own iteration's rows, none twice
     rows = lake.read("train_steps", run_id="behind").to_pylist()
-    assert [r["step"] for r in sorted(rows, key=lambda r: r["step"])] == list(range(N_ITER))
+    if mode == "sync":
+        for i in range(N_ITER - 1):
+            assert steps[i] <= rollouts[i + 1], (i, steps, rollouts)
+    else:
+        # batch b generated with version w came after step w - 1's commit (which made w): its
+        # rows were stamped (created_at, before their own append) after that commit
+        trajectories = lake.read("trajectories", run_id="behind",
+                                 columns=["iteration", "kind", "weight_version", "created_at"])
+        made = {}
+        for r in trajectories.to_pylist():
+            if r["kind"] == "train" and r["iteration"] < N_ITER:
+                key = (r["iteration"], r["weight_version"])
+                made[key] = min(made.get(key, r["created_at"]), r["created_at"])
+        assert 2 in {w for _, w in made}, made  # made by step 1, which ran behind
+        for (batch, version), created in made.items():
+            if version >= 1:
+                assert steps[version - 1] <= created.replace(tzinfo=UTC), (batch, version, steps)
+        # the steps after one that committed behind waited for it before their own commit
+        for i in set(events) - inline:
+            assert "time/commit_wait" in events[i + 1] and \
+                events[i + 1]["time/commit_wait"] is not None, events[i + 1]
+    # steps committed in order; every step consumed its own iteration's rows, none twice
+    assert [r["step"] for r in sorted(rows, key=lambda r: steps[r["step"]])] == list(range(N_ITER))
     consumed = [u for r in rows for u in r["sample_uids"]]
     assert len(consumed) == len(set(consumed))
     assert all(u.split("/")[1] == str(r["iteration"]) for r in rows for u in r["sample_uids"])
