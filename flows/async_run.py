@@ -40,10 +40,16 @@ from functools import partial
 import pyarrow as pa
 from prefect import flow
 
-from flows.guards import check_rewards
-from flows.prefetch import IterationRuns, ahead
 from flows.rollout_side import batch_tag, rollout_process_main
-from flows.steps import commits_behind, landed, phase, settle_commit, train_and_commit
+from flows.steps import (
+    commits_behind,
+    eval_due,
+    landed,
+    phase,
+    run_iterations,
+    settle_commit,
+    train_and_commit,
+)
 from infra.faults import ENV as FAULT_ENV
 from infra.faults import fault_point, set_iteration
 from infra.recovery import run_tag
@@ -194,7 +200,7 @@ def train_iteration(rt: Runtime, producer: RolloutProcess, iteration: int) -> di
         reader = partial(_read_batch, batch=iteration)
     # the rollout side's own phase times, kept apart from the training side's time/*
     stats = {k.replace("time/", "rollout/time_"): v for k, v in stats.items()}
-    evaluating = (iteration + 1) % rt.cfg.eval.eval_interval == 0 or iteration + 1 == rt.cfg.num_rollout
+    evaluating = eval_due(rt, iteration + 1, rt.cfg.num_rollout)
     metrics = train_and_commit(rt, iteration, base_version, stats, timings, read_slice=reader,
                                behind=commits_behind(rt, iteration, evaluating))
     if iteration + 1 < rt.cfg.num_rollout:  # the rollout side has no batch left after
@@ -245,23 +251,8 @@ def run_async(rt: Runtime, reporter: Callable[[str, dict], None], producer: Roll
         return train_iteration(rt, producer, iteration)
 
     producer.hand_off(rt.trainer.weight_version)
-    def parameters(i: int) -> dict:
-        return {"run_id": rt.run_id, "iteration": i}
 
     def batch_tags(i: int) -> set[str]:  # links the iteration to the batch it trains on
         return {batch_tag(i)}
 
-    # the next iterations' runs are created during i; i's Completed waits for its commit, which
-    # may run behind while i + 1 trains (flows.steps)
-    with IterationRuns(rl_iteration, hold=lambda: rt.pending_commit) as runs:
-        try:
-            for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
-                metrics = runs.run(parameters(iteration), batch_tags(iteration),
-                                   upcoming=ahead(iteration, rt.cfg.num_rollout, parameters,
-                                                  batch_tags))
-                reporter("iteration", {"iteration": iteration, **metrics})
-                check_rewards(rt, iteration, metrics)
-        except BaseException:
-            settle_commit(rt, raise_error=False)  # what trained is committed, then the error
-            raise
-        settle_commit(rt)
+    run_iterations(rt, rl_iteration, reporter, batch_tags)

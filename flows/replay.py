@@ -28,8 +28,8 @@ from prefect.settings import temporary_settings
 from prefect.utilities.annotations import quote
 
 from flows.durability import owned_run, register_version, start_or_recover
-from flows.rl import FAST_FLOW_SETTINGS, _flat_params, eval_due, has_eval, sft_warmup
-from flows.steps import phase, train_and_commit
+from flows.rl import FAST_FLOW_SETTINGS, _flat_params, has_eval, sft_warmup
+from flows.steps import eval_due, phase, train_and_commit
 from infra.checkpoints import rebuild_chain, resume_checkpoint, saved_versions
 from infra.config import config_from_dict
 from infra.faults import set_iteration

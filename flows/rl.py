@@ -36,9 +36,15 @@ from flows.durability import (
     start_or_recover,
 )
 from flows.durability import update_run_row as _update_run
-from flows.guards import check_rewards
-from flows.prefetch import IterationRuns, ahead
-from flows.steps import commits_behind, landed, phase, settle_commit, train_and_commit
+from flows.steps import (
+    commits_behind,
+    eval_due,
+    landed,
+    phase,
+    run_iterations,
+    settle_commit,
+    train_and_commit,
+)
 from infra.config import RunConfig, config_from_dict
 from infra.faults import fault_point, set_iteration
 from infra.recovery import run_tag
@@ -169,28 +175,8 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
 
 
 def run_sync(rt: Runtime, reporter) -> None:
-    """Iterations ``rt.start_iteration .. num_rollout - 1``, one ``rl_iteration`` flow run each;
-    the next iterations' runs are created while iteration i runs (flows/prefetch.py)."""
-    def parameters(i: int) -> dict:
-        return {"run_id": rt.run_id, "iteration": i}
-
-    # an iteration's Completed goes to Prefect once its commit (maybe behind) has landed
-    with IterationRuns(rl_iteration, hold=lambda: rt.pending_commit) as runs:
-        try:
-            for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
-                metrics = runs.run(parameters(iteration),
-                                   upcoming=ahead(iteration, rt.cfg.num_rollout, parameters))
-                reporter("iteration", {"iteration": iteration, **metrics})
-                check_rewards(rt, iteration, metrics)
-        except BaseException:
-            settle_commit(rt, raise_error=False)  # what trained is committed, then the error
-            raise
-        settle_commit(rt)
-
-
-def eval_due(rt: Runtime, done: int, total: int) -> bool:
-    """After ``done`` of ``total`` iterations: at the start, every ``eval_interval``, at the end."""
-    return done == 0 or done % rt.cfg.eval.eval_interval == 0 or done == total
+    """Iterations ``rt.start_iteration .. num_rollout - 1``, one ``rl_iteration`` flow run each."""
+    run_iterations(rt, rl_iteration, reporter)
 
 
 def has_eval(rt: Runtime, version: int) -> bool:

@@ -24,7 +24,8 @@ import pyarrow as pa
 from prefect.utilities.annotations import quote
 
 from flows.durability import register_version
-from flows.prefetch import final_state_held
+from flows.guards import check_rewards
+from flows.prefetch import IterationRuns, ahead, final_state_held
 from infra.checkpoints import checkpoint_due
 from infra.faults import AFTER_APPEND_POINTS, POST_COMMIT_POINTS, fault_armed, fault_join, fault_point
 from infra.runtime import Runtime
@@ -120,6 +121,34 @@ def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_sta
         else:
             commit()
     return metrics
+
+
+def eval_due(rt: Runtime, done: int, total: int) -> bool:
+    """After ``done`` of ``total`` iterations: at the start, every ``eval_interval``, at the end."""
+    return done == 0 or done % rt.cfg.eval.eval_interval == 0 or done == total
+
+
+def run_iterations(rt: Runtime, iteration_flow, reporter: Callable[[str, dict], None],
+                   extra_tags: Callable[[int], set[str] | None] = lambda _: None) -> None:
+    """Iterations ``rt.start_iteration .. num_rollout - 1``, one ``iteration_flow`` run each
+    (parameters ``run_id``, ``iteration``; tagged ``extra_tags(i)``), the next ones' runs created
+    while iteration i runs (flows/prefetch.py). An iteration's Completed goes to Prefect once its
+    commit (maybe behind) has landed; on an error, what trained is committed first."""
+    def parameters(i: int) -> dict:
+        return {"run_id": rt.run_id, "iteration": i}
+
+    with IterationRuns(iteration_flow, hold=lambda: rt.pending_commit) as runs:
+        try:
+            for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
+                metrics = runs.run(parameters(iteration), extra_tags(iteration),
+                                   upcoming=ahead(iteration, rt.cfg.num_rollout, parameters,
+                                                  extra_tags))
+                reporter("iteration", {"iteration": iteration, **metrics})
+                check_rewards(rt, iteration, metrics)
+        except BaseException:
+            settle_commit(rt, raise_error=False)  # what trained is committed, then the error
+            raise
+        settle_commit(rt)
 
 
 def commits_behind(rt: Runtime, iteration: int, evaluating: bool) -> bool:
