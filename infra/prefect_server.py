@@ -5,7 +5,9 @@
 
 The server's database lives in ``{home}/prefect`` (``PREFECT_HOME``); ``{home}/prefect/server.json``
 records its PID and URL so ``rlake serve``, ``rlake deploy`` and a test can share one. Unlike the
-embedded server, this one runs the scheduler (deployments with schedules need it).
+embedded server, this one runs the scheduler (deployments with schedules need it). While it runs,
+``rlake run`` / ``resume`` on the same home use it instead of starting an embedded server
+(``EmbeddedServer.start``).
 """
 
 from __future__ import annotations
@@ -149,8 +151,15 @@ class EmbeddedServer:
     @classmethod
     def start(cls, home: str | Path) -> EmbeddedServer | None:
         """Spawn the server and point ``PREFECT_API_URL`` at it; None when the environment
-        already names a server (a cluster profile, a test's shared server)."""
+        already names a server (a cluster profile, a test's shared server) or the home's own
+        server runs (``rlake serve``'s, found by ``server_info``): the run uses that one, so
+        one server writes the home's database, and the run skips a server's start (~3 s of
+        its startup here, docs/operations.md)."""
         if os.environ.get("PREFECT_API_URL"):
+            return None
+        running = server_info(home)
+        if running:
+            os.environ["PREFECT_API_URL"] = running["url"]
             return None
         server = cls(home)
         server.phome.mkdir(parents=True, exist_ok=True)

@@ -5,14 +5,16 @@ those of an uninterrupted run with the same seed.
 One run crashes at point k during iteration k (k = 0..len(POINTS) - 1) and is resumed after each
 crash; a reference run goes uninterrupted (concurrently). Both save a checkpoint every iteration
 (``save_interval=1``, in the background) so that every checkpoint point is hit; resumes between
-saves are tested in tests/test_checkpoints.py. The CLI runs in subprocesses against one shared
-Prefect server (the server start dominates otherwise), except the first process, which uses its
-own embedded server: that server must die with it (no orphan left for resume to find).
+saves are tested in tests/test_checkpoints.py. The first process uses its own embedded server:
+that server must die with it (no orphan left for resume to find). The resumes then run against
+the home's own server, started once (its start dominates otherwise), as a running `rlake serve`
+gives: a run on a home whose server runs uses it (infra.prefect_server.EmbeddedServer.start).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 
@@ -21,8 +23,9 @@ import torch
 from safetensors.torch import load_file
 
 from infra.faults import POINTS
+from infra.prefect_server import EmbeddedServer, ensure_server, stop_server
 from infra.recovery import pid_alive, prefect_servers, run_tag
-from tests.opshelp import TINY, cli_env, rlake, shared_prefect_server, tail
+from tests.opshelp import TINY, cli_env, rlake, tail
 
 N_ITER = len(POINTS) + 1
 EVAL_INTERVAL = len(POINTS)  # evals after the during_mlflow_log crash's iteration and the last
@@ -34,11 +37,6 @@ REUSING = list(POINTS)[list(POINTS).index("after_lake_append"):list(POINTS).inde
 # the weights would move by weight decay alone, whatever the data; a length reward makes the
 # final weights depend on every trajectory
 LENGTH_REWARD = "tests.opshelp:length_reward"
-
-
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    yield from shared_prefect_server(tmp_path_factory, "resume-home")
 
 
 def _args(home, run_id):
@@ -116,8 +114,16 @@ def _prefect_invariants(api_url, run_id):
     assert len(crashed) == 2 * len(POINTS), states
 
 
-def test_kill9_at_every_point_then_resume(shared, tmp_path):
-    home, url = shared
+@pytest.fixture
+def home(tmp_path):
+    """The crashing run's home; its own Prefect server, once started, stopped at the end."""
+    home = tmp_path / "home"
+    home.mkdir()
+    yield home
+    stop_server(home)
+
+
+def test_kill9_at_every_point_then_resume(home, tmp_path, monkeypatch):
     ref_home = tmp_path / "ref"  # its own lake, MLflow and embedded server: no write contention
     ref_home.mkdir()
     ref_log = ref_home / "cli.log"
@@ -126,7 +132,7 @@ def test_kill9_at_every_point_then_resume(shared, tmp_path):
     for k, point in enumerate(POINTS):
         first = k == 0
         args = _args(home, "chain") if first else ["resume", "chain", "--home", str(home)]
-        env = cli_env(None if first else url, RLAKE_FAULT=f"{point}:{k}", COLUMNS="200")
+        env = cli_env(None, RLAKE_FAULT=f"{point}:{k}", COLUMNS="200")
         log = home / f"crash-{k}.log"
         proc = rlake(args, env, log)
         assert proc.returncode == -signal.SIGKILL, f"{point}: {tail(log)}"
@@ -138,9 +144,13 @@ def test_kill9_at_every_point_then_resume(shared, tmp_path):
             assert not orphans, "the killed process's embedded server outlived it"
             shown = rlake(["status", "chain", "--home", str(home)], cli_env(None), home / "status.log")
             assert shown.returncode == 0 and "status: interrupted" in tail(home / "status.log")
+            url = ensure_server(home)  # the resumes find it running and use it:
+            monkeypatch.setenv("PREFECT_API_URL", "unset below")
+            monkeypatch.delenv("PREFECT_API_URL")
+            assert EmbeddedServer.start(home) is None and os.environ["PREFECT_API_URL"] == url
         else:
             assert not [p for p in orphans if pid_alive(p)], "resume left the orphaned server running"
-    done = rlake(["resume", "chain", "--home", str(home)], cli_env(url, COLUMNS="200"), home / "final.log")
+    done = rlake(["resume", "chain", "--home", str(home)], cli_env(None, COLUMNS="200"), home / "final.log")
     assert done.returncode == 0, tail(home / "final.log")
     # reuse, not regeneration: process k (resuming crash k-1, in iteration k-1) printed the reuse
     # report (rl_iteration skips generate_rollouts in that branch alone) exactly when crash k-1
