@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import time
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -123,7 +124,7 @@ def home(tmp_path):
     stop_server(home)
 
 
-def test_kill9_at_every_point_then_resume(home, tmp_path, monkeypatch):
+def test_kill9_at_every_point_then_resume(home, tmp_path):
     ref_home = tmp_path / "ref"  # its own lake, MLflow and embedded server: no write contention
     ref_home.mkdir()
     ref_log = ref_home / "cli.log"
@@ -144,10 +145,10 @@ def test_kill9_at_every_point_then_resume(home, tmp_path, monkeypatch):
             assert not orphans, "the killed process's embedded server outlived it"
             shown = rlake(["status", "chain", "--home", str(home)], cli_env(None), home / "status.log")
             assert shown.returncode == 0 and "status: interrupted" in tail(home / "status.log")
-            url = ensure_server(home)  # the resumes find it running and use it:
-            monkeypatch.setenv("PREFECT_API_URL", "unset below")
-            monkeypatch.delenv("PREFECT_API_URL")
-            assert EmbeddedServer.start(home) is None and os.environ["PREFECT_API_URL"] == url
+            url = ensure_server(home)  # the resumes find it running and use it
+            with patch.dict(os.environ):  # what start() sets is undone on the way out
+                os.environ.pop("PREFECT_API_URL", None)
+                assert EmbeddedServer.start(home) is None and os.environ["PREFECT_API_URL"] == url
         else:
             assert not [p for p in orphans if pid_alive(p)], "resume left the orphaned server running"
     done = rlake(["resume", "chain", "--home", str(home)], cli_env(None, COLUMNS="200"), home / "final.log")
