@@ -5,7 +5,8 @@ generation throughput against transformers' own ``generate``.
 
 ``--set model.path=CHECKPOINT --set sft.enabled=false`` starts from a saved SFT checkpoint;
 ``--set mode=async --set trainer.max_staleness=1`` splits async mode's training side
-(``wait_rollout``: waiting for the rollout process's batch).
+(``wait_rollout``: waiting for the rollout process's batch); ``--set prefect_task_runs=false``
+runs the iteration's steps without Prefect task runs (tasks/step.py).
 
 Prints figures, then one JSON line. Timings on a shared 2-core machine are noisy: compare the
 ratios within one run, not absolute seconds across runs.

@@ -296,6 +296,11 @@ class RunConfig(_Section):
     mode: Literal["sync", "async"] = Field(
         "sync", description="async: rollout runs ahead of training by at most "
                             "trainer.max_staleness versions (docs/operations.md)")
+    prefect_task_runs: bool = Field(
+        True, description="each step of an iteration (generate, score, lake write and read, "
+                          "train, publish, record, eval) is a Prefect task run; false: the "
+                          "iteration stays one flow run and its steps are plain calls with the "
+                          "same retries (faster on small CPU runs: docs/operations.md)")
     num_rollout: int = Field(40, ge=0, description="RL iterations (slime: num_rollout)")
     deterministic: bool = False
     keep_checkpoints: int = Field(3, ge=1)

@@ -14,10 +14,12 @@ from buffer.lake import slice_lake_version, slice_of_written
 from infra.runtime import Runtime
 from infra.sides import RolloutSide
 from tasks.rollout import generate_rollouts, rollout_table, score, write_rollout
+from tasks.step import step_task
 from trainers.metrics import rollout_metrics
 
 
 @task(name="rollout_batch", cache_policy=NO_CACHE)
+
 def rollout_batch(side: RolloutSide, batch: int,
                   send_rows: Callable[[dict[str, float], pa.Table], None] | None = None
                   ) -> tuple[dict[str, float], int | None]:
@@ -41,7 +43,7 @@ def rollout_batch(side: RolloutSide, batch: int,
     return {**out.stats, "time/lake_write": time.perf_counter() - scored}, lake_version
 
 
-@task(name="read_rollout_batch", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+@step_task(name="read_rollout_batch", retries=2, retry_delay_seconds=1)
 def read_rollout_batch(rt: Runtime, weight_version: int, batch: int) -> tuple[pa.Table, int]:
     """The unconsumed samples of rollout batch ``batch`` (the oldest: iteration ``batch`` trains
     on it) with version in [v - max_staleness, ...], and the lake version read. Refuses when

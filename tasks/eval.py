@@ -8,12 +8,11 @@ The default (one greedy sample per prompt of the built-in held-out set) gives th
 from __future__ import annotations
 
 import torch
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from infra.runtime import HELD_OUT, Runtime
 from rollout.evaluation import run_eval_set
 from tasks.rollout import rollout_context
+from tasks.step import step_task
 from trainers.algorithms import pass_at_k_metrics
 
 
@@ -31,7 +30,7 @@ def mlflow_key(dataset: str, metric: str) -> str:
     return f"eval/{metric}" if dataset == HELD_OUT else f"eval/{dataset}/{metric}"
 
 
-@task(name="evaluate", cache_policy=NO_CACHE)
+@step_task(name="evaluate")
 def evaluate(rt: Runtime, iteration: int) -> dict[str, float]:
     """Evaluate the engine's current weights on every eval set; returns ``accuracy`` (held-out
     pass@1, or the first set's when there is no held-out set) and ``{dataset}/{metric}``."""

@@ -8,10 +8,8 @@ for bit: the lake is the write-ahead log, a checkpoint only a shortcut (infra/ch
 
 from __future__ import annotations
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
 from infra.runtime import Runtime, iteration_seed
+from tasks.step import step_task
 from trainers.base import TrainBatch
 from trainers.torch_trainer import seed_everything
 
@@ -28,7 +26,7 @@ def seed_training(rt: Runtime, iteration: int) -> int:
     return s
 
 
-@task(name="retrain_step", cache_policy=NO_CACHE)
+@step_task(name="retrain_step")
 def retrain_step(rt: Runtime, step: dict, run_id: str | None = None) -> bool:
     """Train again on the samples committed step ``step`` (a train_steps row of ``run_id``,
     default this run) consumed, read from the lake in the recorded order. Returns whether the

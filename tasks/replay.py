@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from infra.runtime import Runtime
+from tasks.step import step_task
 
 
-@task(name="read_source_trajectories", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+@step_task(name="read_source_trajectories", retries=2, retry_delay_seconds=1)
 def read_source_trajectories(rt: Runtime, source_run: str, first: int, stop: int | None) -> pa.Table:
     """The source run's train trajectories with ``first <= iteration < stop`` (stop None: all)."""
     table = rt.lake.read("trajectories", run_id=source_run)
@@ -21,7 +20,7 @@ def read_source_trajectories(rt: Runtime, source_run: str, first: int, stop: int
     return table.filter(keep).sort_by([("iteration", "ascending"), ("sample_index", "ascending")])
 
 
-@task(name="read_replay_slice", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+@step_task(name="read_replay_slice", retries=2, retry_delay_seconds=1)
 def read_replay_slice(rt: Runtime, weight_version: int) -> tuple[pa.Table, int]:
     """Every unconsumed replayed sample of the run, whatever version generated it (the source's
     versions are not the replay's), and the lake version read."""

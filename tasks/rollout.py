@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import pyarrow as pa
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from buffer.schema import rows_to_table
 from infra.runtime import Runtime
 from rewards.registry import score_samples
 from rollout.context import RolloutContext, RolloutOutput
 from rollout.sample import Sample, Status
+from tasks.step import step_task
 
 
 def rollout_context(rt: Runtime) -> RolloutContext:
@@ -19,7 +18,7 @@ def rollout_context(rt: Runtime) -> RolloutContext:
                           lake=rt.lake, run_id=rt.run_id)
 
 
-@task(name="generate_rollouts", cache_policy=NO_CACHE)
+@step_task(name="generate_rollouts")
 def generate_rollouts(rt: Runtime, iteration: int) -> RolloutOutput:
     """rollout_batch_size groups x n_samples_per_prompt samples with the current weights,
     starting at the run's data position (advanced by the prompts this iteration drew)."""
@@ -30,7 +29,7 @@ def generate_rollouts(rt: Runtime, iteration: int) -> RolloutOutput:
     return out
 
 
-@task(name="score", cache_policy=NO_CACHE)
+@step_task(name="score")
 def score(rt: Runtime, samples: list[Sample]) -> int:
     """Rewards in place for samples not scored yet; returns how many samples' reward failed."""
     todo = [s for s in samples if s.reward is None]
@@ -46,7 +45,7 @@ def rollout_table(rt: Runtime, rollout: RolloutOutput, iteration: int) -> pa.Tab
                                                       rt.cfg.rollout.partial_rollout))
 
 
-@task(name="write_rollout", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+@step_task(name="write_rollout", retries=2, retry_delay_seconds=1)
 def write_rollout(rt: Runtime, rows: pa.Table, commit_info: dict[str, str]) -> int | None:
     """One Delta commit with the iteration's ``rollout_table`` and the rollout's stats in
     ``commit_info`` (data position included, for a resume that reuses these rows); idempotent on

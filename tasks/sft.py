@@ -8,12 +8,10 @@ count lands anywhere between 5% and 90% depending on the seed; the check does no
 
 from __future__ import annotations
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
 from infra.runtime import Runtime
 from rewards.registry import score_samples
 from rollout.rollout import encode_prompt, generate_samples, make_samples
+from tasks.step import step_task
 from tasks.train import in_process_weights
 from trainers.base import TrainBatch
 
@@ -49,7 +47,7 @@ def training_accuracy(rt: Runtime) -> float:
     return sum(s.reward == 1.0 for s in samples) / len(samples)
 
 
-@task(name="sft_train", cache_policy=NO_CACHE)
+@step_task(name="sft_train")
 def sft_train(rt: Runtime) -> dict[str, float]:
     cfg = rt.cfg.sft
     rt.trainer.set_lr(cfg.lr)

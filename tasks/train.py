@@ -6,15 +6,14 @@ MLflow metrics are no task: ``Tracker.log_metrics`` only queues them for its bac
 from __future__ import annotations
 
 import pyarrow as pa
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from infra.faults import fault_point
 from infra.runtime import Runtime
+from tasks.step import step_task
 from trainers.base import TrainBatch
 
 
-@task(name="train", cache_policy=NO_CACHE)
+@step_task(name="train")
 def train(rt: Runtime, training_slice: pa.Table) -> dict[str, float]:
     if training_slice.num_rows == 0:
         raise RuntimeError(f"run {rt.run_id}: the training slice is empty "
@@ -22,7 +21,7 @@ def train(rt: Runtime, training_slice: pa.Table) -> dict[str, float]:
     return rt.trainer.train(TrainBatch.from_arrow(training_slice))
 
 
-@task(name="publish_weights", cache_policy=NO_CACHE)
+@step_task(name="publish_weights")
 def publish_weights(rt: Runtime, weight_version: int, save: bool = True, wait: bool = True) -> str | None:
     """Hand weights ``v`` to the engine: in memory where it takes tensors (an in-process engine
     copies them; SGLang with ``weight_sync: distributed`` receives them over its weight-update

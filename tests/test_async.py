@@ -290,7 +290,9 @@ def test_async_rl_improves_held_out_accuracy(tmp_path, cli, warm_model):
     cli(["run", "configs/quickstart.yaml", "--run-id", "learn", "--set", "mode=async",
          "--set", f"trainer.max_staleness={LEARN_K}", "--set", f"model.path={warm_model['checkpoint']}",
          "--set", "sft.enabled=false", "--set", f"home={home}", "--set", f"num_rollout={LEARN_ITERATIONS}",
-         "--set", f"eval.eval_interval={EVAL_INTERVAL}"], env={"PREFECT_HOME": str(home / "prefect")})
+         "--set", f"eval.eval_interval={EVAL_INTERVAL}",
+         "--set", "prefect_task_runs=false"],  # learning is the subject (tests/test_task_runs.py)
+        env={"PREFECT_HOME": str(home / "prefect")})
     lake = Lake(str(home / "lake"))
     assert paired_gain(lake, "learn", 0, LATE_VERSIONS)[2] == 500
     assert_learned(lake, "learn", 0, LATE_VERSIONS)  # >= 3 SE (tests/learning.py)

@@ -20,6 +20,7 @@ def test_sglang_engine_learns_the_quickstart_task(tmp_path, cli, warm_model):
          "--set", "rollout.engine=sglang", "--set", "rollout.sglang.num_servers=1",
          "--set", "rollout.sglang.weight_sync=distributed", "--set", "save_interval=20",
          "--set", f"num_rollout={ITERATIONS}", "--set", f"eval.eval_interval={ITERATIONS}",
+         "--set", "prefect_task_runs=false",  # learning is the subject (tests/test_task_runs.py)
          ], env={"PREFECT_HOME": str(tmp_path / "prefect")})
     lake = Lake(str(tmp_path / "lake"))
     evals = sorted((e["weight_version"], e["value"]) for e in lake.read("evals", run_id="sglang").to_pylist()

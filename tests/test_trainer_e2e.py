@@ -18,7 +18,8 @@ def test_reinforce_plus_plus_baseline_improves_held_out_accuracy(tmp_path, cli, 
     args = ["run", "configs/quickstart.yaml"]
     for s in [f"home={home}", "run_id=e2e", f"num_rollout={ITERATIONS}", f"eval.eval_interval={EVAL_INTERVAL}",
               f"model.path={warm_model['checkpoint']}", "sft.enabled=false",
-              "trainer.advantage_estimator=reinforce_plus_plus_baseline"]:
+              "trainer.advantage_estimator=reinforce_plus_plus_baseline",
+              "prefect_task_runs=false"]:  # learning is the subject (tests/test_task_runs.py)
         args += ["--set", s]
     cli(args, env={"PREFECT_HOME": str(home / "prefect")})
     lake = Lake(str(home / "lake"))
