@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import signal
 import sqlite3
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -65,8 +66,20 @@ def _final_weights(home: Path, run_id: str) -> dict[str, torch.Tensor]:
     return load_file(home / "runs" / run_id / "checkpoints" / f"v{N_ITER:06d}" / "model.safetensors")
 
 
-def _flow_runs(server_home: Path, run_id: str) -> list[tuple[str, str, int]]:
-    """(flow name, state, task runs inside) of each flow run tagged with the rlake run."""
+def _flow_runs(server_home: Path, run_id: str, settled=lambda runs: True,
+               deadline_s: float = 120) -> list[tuple[str, str, int]]:
+    """(flow name, state, task runs inside) of each flow run tagged with the rlake run, read
+    again until ``settled(runs)``: task runs reach the database through the server's event
+    recorder, in batches, seconds after their run (more under load)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        runs = _read_flow_runs(server_home, run_id)
+        if settled(runs) or time.monotonic() > end:
+            return runs
+        time.sleep(1)
+
+
+def _read_flow_runs(server_home: Path, run_id: str) -> list[tuple[str, str, int]]:
     with sqlite3.connect(server_home / "prefect" / "prefect.db") as con:
         rows = con.execute(
             "SELECT f.name, fr.state_type, fr.tags, (SELECT count(*) FROM task_run t "
@@ -94,7 +107,8 @@ def test_without_task_runs_the_same_weights_and_a_crash_resumes(server, tmp_path
     expected, got = _final_weights(with_runs, "with"), _final_weights(plain, "plain")
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[k], got[k]) for k in expected), "weights differ"
-    iterations = [r for r in _flow_runs(server_home, "with") if r[0] == "rl_iteration"]
+    iterations = [r for r in _flow_runs(server_home, "with", lambda runs: all(
+        n >= 5 for name, _, n in runs if name == "rl_iteration")) if r[0] == "rl_iteration"]
     assert len(iterations) == N_ITER and all(n >= 5 for _, _, n in iterations), iterations
     plain_runs = _flow_runs(server_home, "plain")
     finished = [r for r in plain_runs if r[0] == "rl_iteration" and r[1] == "COMPLETED"]
@@ -114,7 +128,8 @@ def test_async_without_task_runs_keeps_its_rollout_batches_in_prefect(server, tm
                  "--set", "trainer.max_staleness=1")
     proc = rlake(args, cli_env(url), tmp_path / "async.log")
     assert proc.returncode == 0, tail(tmp_path / "async.log")
-    runs = _flow_runs(server_home, "plainasync")
+    runs = _flow_runs(server_home, "plainasync", lambda runs: any(
+        name == "rollout_side" and n >= N_ITER for name, _, n in runs))
     iterations = [r for r in runs if r[0] == "rl_iteration"]
     assert len(iterations) == N_ITER and all(r[1:] == ("COMPLETED", 0) for r in iterations), runs
     [(_, state, batches)] = [r for r in runs if r[0] == "rollout_side"]
