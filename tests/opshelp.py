@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,3 +72,15 @@ def shared_prefect_server(tmp_path_factory, name: str) -> Iterator[tuple[Path, s
     url = ensure_server(home)
     yield home, url
     stop_server(home)
+
+
+def read_until(read: Callable[[], object], done: Callable[[object], bool], deadline_s: float = 120):
+    """``read()`` again every second until ``done(result)`` or ``deadline_s`` passed; the last
+    result. For what Prefect's server records from events (task runs), in batches, seconds
+    after they happened (more under load)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        result = read()
+        if done(result) or time.monotonic() > end:
+            return result
+        time.sleep(1)

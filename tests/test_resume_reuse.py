@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from buffer import Lake
 from buffer.lake import trajectory_guard
 from rollout.context import ROLLOUT_STATS_KEY
-from tests.opshelp import TINY, cli_env, rlake, shared_prefect_server, tail
+from tests.opshelp import TINY, cli_env, read_until, rlake, shared_prefect_server, tail
 
 N_ITER, CRASH = 4, 2
 DYNAMIC = ["--set", "rollout.over_sampling_batch_size=6", "--set", "rollout.generation_chunk_tokens=2",
@@ -59,8 +59,15 @@ def _steps(home: Path, run_id: str) -> list[dict]:
     return sorted(steps, key=lambda s: s["step"])
 
 
-def _generate_task_runs(url: str, run_id: str) -> list[str]:
-    """Names of the ``generate_rollouts`` task runs of ``run_id`` the Prefect server knows."""
+def _generate_task_runs(url: str, run_id: str, expected: int) -> list[str]:
+    """Iterations of the ``generate_rollouts`` task runs of ``run_id`` the Prefect server knows,
+    once ``expected`` are there (task runs are recorded from events, late: CI once read 3 of 4)
+    or two minutes passed."""
+    return read_until(lambda: _read_generate_task_runs(url, run_id),
+                      lambda found: len(found) >= expected)
+
+
+def _read_generate_task_runs(url: str, run_id: str) -> list[str]:
     from prefect import get_client
     from prefect.client.schemas.filters import (
         FlowRunFilter,
@@ -95,7 +102,7 @@ def test_resume_reuses_recorded_samples_with_dynamic_partial_staleness(shared, t
     assert out.count("reusing its") == 1, "only the interrupted iteration reuses samples"
     # generate_rollouts ran once per iteration except the reused one (the crashed process had
     # already run it for iteration CRASH)
-    generated = sorted(_generate_task_runs(url, "dyn"))
+    generated = sorted(_generate_task_runs(url, "dyn", N_ITER))
     assert generated == sorted(str(i) for i in range(N_ITER)), generated
     assert ref.wait(timeout=900) == 0, tail(ref_home / "ref.log")
 

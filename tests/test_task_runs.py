@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import signal
 import sqlite3
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +17,7 @@ from prefect.utilities.annotations import quote
 from safetensors.torch import load_file
 
 from tasks.step import StepTask
-from tests.opshelp import TINY, cli_env, rlake, shared_prefect_server, tail
+from tests.opshelp import TINY, cli_env, read_until, rlake, shared_prefect_server, tail
 
 N_ITER = 3
 
@@ -66,17 +65,11 @@ def _final_weights(home: Path, run_id: str) -> dict[str, torch.Tensor]:
     return load_file(home / "runs" / run_id / "checkpoints" / f"v{N_ITER:06d}" / "model.safetensors")
 
 
-def _flow_runs(server_home: Path, run_id: str, settled=lambda runs: True,
-               deadline_s: float = 120) -> list[tuple[str, str, int]]:
-    """(flow name, state, task runs inside) of each flow run tagged with the rlake run, read
-    again until ``settled(runs)``: task runs reach the database through the server's event
-    recorder, in batches, seconds after their run (more under load)."""
-    end = time.monotonic() + deadline_s
-    while True:
-        runs = _read_flow_runs(server_home, run_id)
-        if settled(runs) or time.monotonic() > end:
-            return runs
-        time.sleep(1)
+def _flow_runs(server_home: Path, run_id: str, settled=lambda runs: True
+               ) -> list[tuple[str, str, int]]:
+    """(flow name, state, task runs inside) of each flow run tagged with the rlake run, once
+    ``settled(runs)`` (task runs are recorded from events, late) or two minutes passed."""
+    return read_until(lambda: _read_flow_runs(server_home, run_id), settled)
 
 
 def _read_flow_runs(server_home: Path, run_id: str) -> list[tuple[str, str, int]]:
