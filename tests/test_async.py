@@ -21,7 +21,7 @@ from buffer import Lake
 from infra.config import ConfigError, config_from_dict
 from infra.recovery import run_tag
 from tests.learning import EVAL_INTERVAL, LATE_VERSIONS, LEARN_ITERATIONS, assert_learned, paired_gain
-from tests.opshelp import TINY, cli_env, pids_with_env, rlake, shared_prefect_server, tail
+from tests.opshelp import TINY, cli_env, pids_with_env, read_until, rlake, shared_prefect_server, tail
 
 K = 2
 N_ITER = 6
@@ -137,23 +137,22 @@ def _prefect_runs(api_url, run_id, deadline_s=60.0):
     )
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    end = time.monotonic() + deadline_s
+    def read(client) -> tuple[dict[str, list], list]:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            tags=FlowRunFilterTags(all_=[run_tag(run_id)])))
+        names = {fid: client.read_flow(fid).name for fid in {r.flow_id for r in runs}}
+        by_flow: dict[str, list] = {}
+        for r in runs:
+            by_flow.setdefault(names[r.flow_id], []).append(r)
+        producer = [r.id for r in by_flow.get("rollout_side", [])]
+        # task runs carry no tags (flows.prefetch.untagged): found through their flow run
+        tasks = client.read_task_runs(task_run_filter=TaskRunFilter(
+            flow_run_id=TaskRunFilterFlowRunId(any_=producer))) if producer else []
+        return by_flow, [t for t in tasks if t.name.startswith("rollout_batch")
+                         and t.state_type and t.state_type.value == "COMPLETED"]
+
     with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
-        while True:
-            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                tags=FlowRunFilterTags(all_=[run_tag(run_id)])))
-            names = {fid: client.read_flow(fid).name for fid in {r.flow_id for r in runs}}
-            by_flow: dict[str, list] = {}
-            for r in runs:
-                by_flow.setdefault(names[r.flow_id], []).append(r)
-            producer = [r.id for r in by_flow.get("rollout_side", [])]
-            # task runs carry no tags (flows.prefetch.untagged): found through their flow run
-            tasks = client.read_task_runs(task_run_filter=TaskRunFilter(
-                flow_run_id=TaskRunFilterFlowRunId(any_=producer))) if producer else []
-            batches = [t for t in tasks if t.name.startswith("rollout_batch")
-                       and t.state_type and t.state_type.value == "COMPLETED"]
-            if len(batches) >= N_ITER or time.monotonic() > end:
-                return by_flow, batches
+        return read_until(lambda: read(client), lambda found: len(found[1]) >= N_ITER, deadline_s)
 
 
 def _task_runs(api_url, flow_run_ids):

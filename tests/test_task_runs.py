@@ -16,6 +16,7 @@ import torch
 from prefect.utilities.annotations import quote
 from safetensors.torch import load_file
 
+from infra.recovery import run_tag
 from tasks.step import StepTask
 from tests.opshelp import TINY, cli_env, read_until, rlake, shared_prefect_server, tail
 
@@ -79,7 +80,7 @@ def _read_flow_runs(server_home: Path, run_id: str) -> list[tuple[str, str, int]
             "WHERE t.flow_run_id = fr.id) FROM flow_run fr JOIN flow f ON f.id = fr.flow_id"
         ).fetchall()
     return sorted((name, state, n) for name, state, tags, n in rows
-                  if f"rlake-run:{run_id}" in json.loads(tags))
+                  if run_tag(run_id) in json.loads(tags))
 
 
 def test_without_task_runs_the_same_weights_and_a_crash_resumes(server, tmp_path):
