@@ -18,16 +18,17 @@ from trainers.torch_trainer import response_logprobs
 torch.set_num_threads(1)
 
 
-def grouped_batch(groups: int = 4, per_prompt: int = 4, seed: int = 0) -> TrainBatch:
-    """GRPO-shaped: ``groups`` prompts of different lengths, ``per_prompt`` responses each (one
-    of them empty), rewards 0/1."""
+def grouped_batch(groups: int = 4, per_prompt: int = 4, seed: int = 0,
+                  max_response: int = 6) -> TrainBatch:
+    """GRPO-shaped: ``groups`` prompts of different lengths, ``per_prompt`` responses of 1 to
+    ``max_response`` tokens each (one of them empty), rewards 0/1."""
     rng = random.Random(seed)
     prompts, responses = [], []
     for g in range(groups):
         prompt = [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(3 + 2 * g)]
         for j in range(per_prompt):
             prompts.append(prompt)
-            length = 0 if (g, j) == (1, 2) else rng.randint(1, 6)
+            length = 0 if (g, j) == (1, 2) else rng.randint(1, max_response)
             responses.append([rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(length)])
     n = len(prompts)
     return TrainBatch(
@@ -50,10 +51,11 @@ def test_distinct_prompts_are_not_shared():
     assert not worth_sharing(pb, prompt_groups(pb.input_ids, pb.prompt_len))
 
 
-@pytest.mark.parametrize("chunk", [None, 7])
-def test_shared_equals_plain_values_and_gradients(tmp_path, chunk):
+@pytest.mark.parametrize("chunk, max_response", [(None, 6), (7, 6), (None, 1)])
+def test_shared_equals_plain_values_and_gradients(tmp_path, chunk, max_response):
+    """max_response 1: every response token is predicted by its prompt, no response pass."""
     model = load_model(build_model(tmp_path))
-    pb = pad_batch(grouped_batch(), 0)
+    pb = pad_batch(grouped_batch(max_response=max_response), 0)
     assert can_share_prompt(model) and worth_sharing(pb, prompt_groups(pb.input_ids, pb.prompt_len))
     weights = torch.randn(pb.mask.shape, generator=torch.Generator().manual_seed(0))
     out = {}
@@ -87,13 +89,13 @@ def test_critic_values_shared_equal_plain_values_and_gradients(tmp_path):
 
 
 def test_each_prompt_runs_once(tmp_path):
-    """The token embedding sees U x P + B x R positions, not B x (P + R)."""
+    """The token embedding sees U x P + B x (R - 1) positions, not B x (P + R)."""
     model = load_model(build_model(tmp_path))
     pb = pad_batch(grouped_batch(groups=4, per_prompt=4), 0)
     seen = []
     model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
     response_logprobs(model, pb, share_prompt=True)
-    assert seen == [4 * int(pb.prompt_len.max()), 16 * pb.response_ids.shape[1]]
+    assert seen == [4 * int(pb.prompt_len.max()), 16 * (pb.response_ids.shape[1] - 1)]
     seen.clear()
     response_logprobs(model, pb, share_prompt=False)
     assert seen == [pb.input_ids.numel()]

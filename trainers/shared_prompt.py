@@ -5,13 +5,15 @@ every row's prompt again: B x (P + R) token positions for B rows, prompts of len
 responses of length R. Causal attention makes a prompt's keys and values the same in every row
 that holds it, so they are computed once per distinct prompt (U of them) and shared:
 
-    prompt pass:    U x P positions      -> K, V of the prompts, h_last (the last prompt position)
-    response pass:  B x R positions      attending to [K, V of its prompt ; its own]
+    prompt pass:    U x P positions        -> K, V of the prompts, h_last (the last prompt position)
+    response pass:  B x (R - 1) positions  attending to [K, V of its prompt ; its own]
 
 The hidden state that predicts response token t is h_last for t = 0 and the response pass's
-position t - 1 after that. Gradients flow through the shared K, V (``index_select`` is
-differentiable), so loss and gradient equal the plain forward's up to float rounding. The
-quickstart (P ~ 7, R ~ 6, 8 samples per prompt) trains on ~0.53x the positions.
+position t - 1 after that; the last response token is only a target, so the response pass
+stops before it. Gradients flow through the shared K, V (``index_select`` is differentiable),
+so loss and gradient equal the plain forward's up to float rounding. The quickstart (P = 7,
+R = 4 with its EOS, 8 samples per prompt) trains on 32 x 7 + 256 x 3 = 992 positions instead
+of 256 x 11 = 2816.
 
 Prompts are left-padded to a common length so every response starts at the same cache offset;
 position ids count real tokens only, as in the plain right-padded forward.
@@ -85,10 +87,10 @@ def prompt_groups(input_ids: torch.Tensor, prompt_len: torch.Tensor) -> torch.Te
 
 
 def worth_sharing(pb: PaddedBatch, groups: torch.Tensor) -> bool:
-    """True when U x P + B x R positions are at most (1 - MIN_SAVING) x B x (P + R)."""
+    """True when U x P + B x (R - 1) positions are at most (1 - MIN_SAVING) x B x (P + R)."""
     rows = len(groups)
     distinct = int(groups[-1]) + 1
-    shared = distinct * int(pb.prompt_len.max()) + rows * pb.response_ids.shape[1]
+    shared = distinct * int(pb.prompt_len.max()) + rows * (pb.response_ids.shape[1] - 1)
     return distinct < rows and shared <= (1 - MIN_SAVING) * rows * pb.input_ids.shape[1]
 
 
@@ -120,13 +122,16 @@ def response_hidden_shared(base_model: torch.nn.Module, pb: PaddedBatch, groups:
     prompt_out = base_model(input_ids=ids, attention_mask=prompt_mask, position_ids=prompt_pos,
                             past_key_values=cache, use_cache=True)
     cache.reorder_cache(groups)  # each row gets its prompt's keys and values (differentiable)
-    width = pb.response_ids.shape[1]
+    last_prompt = prompt_out.last_hidden_state[:, -1][groups][:, None]
+    # the last response token is only a target: its hidden state would predict nothing
+    width = pb.response_ids.shape[1] - 1
+    if width == 0:
+        return last_prompt
     steps = torch.arange(width, device=groups.device)
     response_len = pb.attention_mask.sum(dim=-1) - pb.prompt_len
     response_mask = (steps[None, :] < response_len[:, None]).long()
     response_out = base_model(
-        input_ids=pb.response_ids, position_ids=pb.prompt_len[:, None] + steps[None, :],
+        input_ids=pb.response_ids[:, :width], position_ids=pb.prompt_len[:, None] + steps[None, :],
         attention_mask=torch.cat([prompt_mask[groups], response_mask], dim=-1),
         past_key_values=cache, use_cache=True)
-    last_prompt = prompt_out.last_hidden_state[:, -1][groups]
-    return torch.cat([last_prompt[:, None], response_out.last_hidden_state[:, :width - 1]], dim=1)
+    return torch.cat([last_prompt, response_out.last_hidden_state], dim=1)
