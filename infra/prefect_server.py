@@ -18,8 +18,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from infra import prefect_db
@@ -239,6 +241,46 @@ class EmbeddedServer:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+
+class ServerWatch:
+    """Calls ``on_lost`` once when ``alive()`` turns false, checking every ``interval_s`` on a
+    daemon thread; ``stop()`` ends the watch (a run's own ending stops its server after it)."""
+
+    def __init__(self, alive: Callable[[], bool], on_lost: Callable[[], None],
+                 interval_s: float = 0.5) -> None:
+        self.alive, self.on_lost, self.interval_s = alive, on_lost, interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="rlake-server-watch", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stopped.wait(self.interval_s):
+            if not self.alive():
+                if not self._stopped.is_set():
+                    self.on_lost()
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+def run_server_liveness(server: EmbeddedServer | None, home: str | Path
+                        ) -> tuple[Callable[[], bool], str] | None:
+    """(is it alive, what it is) for the Prefect server a run uses: its own embedded server, or
+    the home's ``rlake serve`` server when the run found that one (``EmbeddedServer.start``);
+    None for a server named by ``PREFECT_API_URL`` from outside (not this machine's to judge:
+    Prefect's client retries its calls there, ~60 s each)."""
+    if server is not None and server.proc is not None:
+        proc = server.proc
+        return (lambda: proc.poll() is None), f"its Prefect server (pid {proc.pid}, {server.url})"
+    info = server_info(home)
+    if info is None or info["url"] != os.environ.get("PREFECT_API_URL"):
+        return None
+    pid = int(info["pid"])
+    return (lambda: pid_alive(pid)), f"the home's Prefect server (pid {pid}, {info['url']})"
 
 
 def _die_with_parent() -> None:

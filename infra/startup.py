@@ -7,7 +7,8 @@ fail and safe to kill:
                                  leaves a run `rlake resume` continues
     PrefectServer.start          Prefect's API server starts in its own process ...
     open_runtime                 ... while this one builds the model, data, MLflow store
-    PrefectServer.wait           then the first flow runs
+    PrefectServer.wait           then the first flow runs, watched: if that server ends
+                                 under the run, the run ends at once (``server_lost``)
 
 Nothing here imports Prefect: its settings are read when it is first imported, after the
 server's URL is in the environment.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -29,6 +31,7 @@ from infra.config import RunConfig, config_from_dict
 from infra.faults import fault_point
 
 DEFAULT_HOME = "./rlake-home"
+SERVER_LOST_EXIT = 1  # the CLI's code for a failed command
 
 
 class StartupError(ValueError):
@@ -169,7 +172,7 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool) -> Iterator[s
     id with its runtime open (``infra.runtime.RUNTIMES``) and Prefect's server answering. On the
     way out the server is stopped and a runtime the pipeline never took is closed."""
     from infra.env import set_environment
-    from infra.prefect_server import EmbeddedServer
+    from infra.prefect_server import EmbeddedServer, ServerWatch, run_server_liveness
     from infra.recovery import claim_run, release_run
 
     home = set_environment(cfg.home, cfg.torch_threads)
@@ -183,7 +186,7 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool) -> Iterator[s
         refuse_existing(lake, cfg, run_id)
     run_dir = home / "runs" / run_id
     claim_run(run_dir)  # a live owner from the start: `rlake status` does not call it interrupted
-    server = None
+    server = watch = None
     try:
         if not resume:
             record_run(lake, cfg, run_id)
@@ -204,12 +207,41 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool) -> Iterator[s
         fault_point("before_first_flow")
         if server is not None:
             server.wait()
+        liveness = run_server_liveness(server, cfg.home)
+        if liveness is not None:
+            alive, what = liveness
+            watch = ServerWatch(alive, lambda: server_lost(what, run_id, cfg))
         yield run_id
     finally:
+        if watch is not None:
+            watch.stop()
         _close_unused_runtime(run_id)
         release_run(run_dir)
         if server is not None:
             server.stop()
+
+
+def server_lost(what: str, run_id: str, cfg: RunConfig) -> None:
+    """The Prefect server the run uses ended under it (its ``rlake serve`` stopped, a crash):
+    end this process now, as a kill -9 would, with one line saying how to continue.
+
+    Waiting would not end the run: every Prefect call retries for ~60 s, the iteration's queued
+    state writes one after another, and Prefect's events worker logs each lost event in full
+    (2026-11-26: a run whose ``rlake serve`` was stopped still hung 4 min later). A kill -9 at
+    any moment leaves the lake and the checkpoints consistent (what every resume test kills),
+    and the run's helpers end with it (the MLflow helper on its pipe's end, async mode's rollout
+    process and Prefect's embedded server by PR_SET_PDEATHSIG)."""
+    message = (f"\nerror: {what} ended while run {run_id} ran: the run stops here, as after a "
+               f"crash (the lake and checkpoints are consistent); "
+               f"`{resume_command(run_id, cfg)}` continues it\n")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is sys.stderr:
+                stream.write(message)
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing to tell
+            pass
+    os._exit(SERVER_LOST_EXIT)
 
 
 def _close_unused_runtime(run_id: str) -> None:

@@ -167,3 +167,25 @@ def test_cli_input_parsers(tmp_path):
         save_spec(tmp_path, "bad name!", {}, "r", None, 5)
     path = save_spec(tmp_path, "nightly", {"seed": 1}, "r", "0 3 * * *", None)
     assert path.name == "nightly.json"
+
+
+def test_server_watch_reports_a_lost_server_once_and_not_after_stop(tmp_path, monkeypatch):
+    from infra.prefect_server import ServerWatch, run_server_liveness
+
+    state, lost = {"alive": True}, []
+    watch = ServerWatch(lambda: state["alive"], lambda: lost.append(1), interval_s=0.01)
+    time.sleep(0.1)
+    assert lost == []
+    state["alive"] = False
+    deadline = time.monotonic() + 10
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    watch.stop()
+    assert lost == [1]
+    quiet: list[int] = []
+    ServerWatch(lambda: False, lambda: quiet.append(1), interval_s=0.5).stop()
+    assert quiet == []  # a run that ended stops its watch before its server
+    # a server from outside (PREFECT_API_URL, no server.json of this home) is not watched
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
+    assert run_server_liveness(None, tmp_path) is None

@@ -1,14 +1,17 @@
 """Startup through the real CLI (issue 16.1, 16.3, 16.4, 16.8): an existing run id is refused
 before anything of it changes; a kill -9 in the first seconds leaves a run `rlake resume`
 finishes, with nothing left RUNNING; two first runs on one fresh home both finish; a bad prompt
-file fails before Prefect starts, in one line."""
+file fails before Prefect starts, in one line; a run whose Prefect server ends under it stops
+at once, in one line, and resumes."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import signal
 import sqlite3
+import subprocess
 import time
 from pathlib import Path
 
@@ -198,3 +201,69 @@ def test_a_fresh_home_starts_from_the_cached_databases(tmp_path):
     states = _flow_run_states(tmp_path / "home2")
     assert states and {s for _, s in states} == {"COMPLETED"}, states
     assert template_path().parent != cache / "prefect-db"  # this process's cache is the session's
+
+
+def _committed_steps(home: Path, run_id: str) -> int:
+    from buffer import Lake
+
+    try:
+        return len(Lake(str(home / "lake")).read("train_steps", run_id=run_id))
+    except Exception:  # noqa: BLE001 - the table does not exist yet
+        return 0
+
+
+def _lose_server_mid_run(home: Path, args: list[str], log: Path, stop) -> subprocess.Popen:
+    """Start ``rlake ARGS``, call ``stop()`` once it has committed a step past the ones already
+    committed, and return the process once it ended (a hang guard, not a timing)."""
+    before = _committed_steps(home, "lost")
+    proc = rlake(args, cli_env(None), log, background=True)
+    while _committed_steps(home, "lost") <= before:
+        assert proc.poll() is None, tail(log)
+        time.sleep(0.2)
+    stop()
+    proc.wait(timeout=120)
+    return proc
+
+
+def test_a_run_whose_prefect_server_ends_stops_at_once_and_resume_finishes(tmp_path):
+    """The server a run uses ends under it: the home's (as when its `rlake serve` stops), then a
+    resume's own embedded one (killed). Each time the run ends with one error line saying how
+    to continue (it hung for minutes before, retrying every Prefect call), and the final resume
+    trains every iteration exactly once."""
+    from buffer import Lake
+    from infra.prefect_server import ensure_server, stop_server
+
+    home = tmp_path / "home"
+    n = 60  # far more iterations than run before the server is gone
+    ensure_server(home)  # what `rlake serve` starts: the run finds it and uses it
+    log = tmp_path / "lost-0.log"
+    proc = _lose_server_mid_run(home, _args(home, "lost", "--set", f"num_rollout={n}"), log,
+                                lambda: stop_server(home))
+    assert proc.returncode == 1, tail(log)
+    [line] = _error_lines(log)
+    assert "the home's Prefect server" in line and "ended while run lost ran" in line, line
+    assert f"`rlake resume lost --home {home}` continues it" in line, line
+    assert _committed_steps(home, "lost") < n
+
+    def kill_embedded() -> None:
+        [server] = prefect_servers(home / "prefect")
+        os.kill(server, signal.SIGKILL)
+
+    log = tmp_path / "lost-1.log"
+    proc = _lose_server_mid_run(home, ["resume", "lost", "--home", str(home)], log, kill_embedded)
+    assert proc.returncode == 1, tail(log)
+    [line] = _error_lines(log)
+    assert "its Prefect server" in line and "ended while run lost ran" in line, line
+    committed = _committed_steps(home, "lost")
+    assert committed < n
+    log = tmp_path / "final.log"
+    done = rlake(["resume", "lost", "--home", str(home)], cli_env(None), log)
+    assert done.returncode == 0, tail(log)
+    lake = Lake(str(home / "lake"))
+    assert lake.get_run("lost")["status"] == "completed"
+    steps = sorted(s["step"] for s in lake.read("train_steps", run_id="lost").to_pylist())
+    assert steps == list(range(n)), "an iteration trained twice or never"
+    uids = [r["sample_uid"] for r in lake.read("trajectories", run_id="lost",
+                                               columns=["sample_uid"]).to_pylist()]
+    assert len(uids) == len(set(uids)), "a sample written twice"
+    _no_server_left(home)
