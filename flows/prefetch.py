@@ -27,7 +27,8 @@ them (``_ReportingClient``); its read of the run is answered from its own copy, 
 the run (the values the run was created with) is dropped. A state change costs the server
 ~40-50 ms here (orchestration rules over SQLite): the 4 requests an iteration waited for took
 ~0.13-0.17 s of its ~0.5-0.6 s (2026-11-25, docs/operations.md). One thread sends all of them, so no two of rlake's writes meet at the
-server's SQLite (a collision there costs a 2 s client retry).
+server's SQLite; a collision with the server's own writers (its 503 "database is locked") is
+sent again within ~0.8 s (``LockRetryTransport``) instead of Prefect's 2 s client retry.
 What that gives up: the server's answer. A run cancelled from the UI while its iteration runs is
 not stopped by its Running being rejected (cancel the parent ``rl_run``: its own states are
 still orchestrated), and a state the server refuses or cannot take is logged, not raised (the
@@ -41,6 +42,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -48,6 +50,7 @@ from contextvars import ContextVar
 from typing import Any
 from uuid import uuid4
 
+import httpx
 from prefect import Flow, Task, tags
 from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.objects import FlowRun
@@ -222,6 +225,40 @@ class Writer:
                 future.set_exception(exc)
 
 
+class LockRetryTransport(httpx.BaseTransport):
+    """HTTP transport that sends a request again after a short pause while the server answers
+    503, ``LOCK_RETRY_DELAYS_S`` in turn, before handing the 503 to Prefect's client (which
+    waits ~2 s, then 4, 8, ... before its own retries).
+
+    Prefect's server answers 503 when its SQLite database is locked: in WAL mode a transaction
+    that read and then writes fails at once (no busy wait) when another connection wrote
+    meanwhile, which the server's own event recorders do all the time (the task runs of both
+    sides are recorded from events). The request's transaction was rolled back, so sending it
+    again is what Prefect's client does anyway, only 2 s later: the run created ahead for the
+    next iteration then came late and the training loop stalled ~2 s in 2-3 of 100 iterations
+    (async mode, 2026-11-26: `create_task_run`'s INSERT, "database is locked")."""
+
+    def __init__(self, inner: httpx.BaseTransport | None = None) -> None:
+        self.inner = inner or httpx.HTTPTransport(retries=3)  # Prefect's own connect retries
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        for delay in LOCK_RETRY_DELAYS_S:
+            response = self.inner.handle_request(request)
+            if response.status_code != 503:
+                return response
+            response.read()
+            response.close()
+            time.sleep(delay)
+        return self.inner.handle_request(request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+# pauses before sending a request again that the server answered 503 (0.77 s in all)
+LOCK_RETRY_DELAYS_S = (0.02, 0.05, 0.1, 0.2, 0.4)
+
+
 # flow runs kept created ahead: the next iteration's, and one spare, so that a slow answer of
 # the server (it is busy with the other process's records in async mode) is absorbed by a
 # whole iteration instead of stalling the next one (measured 2026-11-25: with one ahead, the
@@ -335,7 +372,8 @@ class IterationRuns:
         if self._client is None:
             from prefect import get_client
 
-            self._client = get_client(sync_client=True)
+            self._client = get_client(sync_client=True,
+                                      httpx_settings={"transport": LockRetryTransport()})
             self._client.__enter__()
         return self._client
 

@@ -224,3 +224,55 @@ def test_the_writer_sends_an_iterations_states_before_the_creations_queued_earli
     writer.shutdown()
     assert [name for name, _ in ran] == ["in flight", "Running", "Completed", "create 1", "create 2"]
     assert {thread for _, thread in ran} == {"rlake-prefetch"}
+
+
+def _answering(statuses: list[int]):
+    """A real HTTP server on 127.0.0.1 answering ``statuses`` in turn (200 after them); returns
+    (server, the paths it was sent)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(body.decode())
+            status = statuses.pop(0) if statuses else 200
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, seen
+
+
+def _post_through_lock_retry(statuses: list[int]) -> tuple[int, list[str]]:
+    import httpx
+
+    from flows.prefetch import LockRetryTransport
+
+    server, seen = _answering(statuses)
+    try:
+        with httpx.Client(transport=LockRetryTransport()) as client:
+            response = client.post(f"http://127.0.0.1:{server.server_port}/flow_runs/", json={"a": 1})
+    finally:
+        server.shutdown()
+    return response.status_code, seen
+
+
+def test_a_locked_database_503_is_sent_again_after_short_pauses():
+    """Prefect's server answers 503 while its SQLite is locked; the prefetch thread's transport
+    sends the same request again (the same body) before Prefect's client would wait ~2 s, and
+    hands a 503 that outlasts its pauses to Prefect's client."""
+    from flows.prefetch import LOCK_RETRY_DELAYS_S
+
+    assert _post_through_lock_retry([503, 503]) == (200, ['{"a":1}'] * 3)
+    tries = len(LOCK_RETRY_DELAYS_S) + 1
+    status, seen = _post_through_lock_retry([503] * tries)
+    assert status == 503 and len(seen) == tries
+    assert _post_through_lock_retry([500]) == (500, ['{"a":1}'])  # not a lock: no second try
