@@ -218,6 +218,7 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool) -> Iterator[s
         _close_unused_runtime(run_id)
         release_run(run_dir)
         if server is not None:
+            _drain_prefect_clients()  # while the server still answers
             server.stop()
 
 
@@ -242,6 +243,15 @@ def server_lost(what: str, run_id: str, cfg: RunConfig) -> None:
         except (OSError, ValueError):  # a closed pipe: nothing to tell
             pass
     os._exit(SERVER_LOST_EXIT)
+
+
+def _drain_prefect_clients() -> None:
+    import sys
+
+    if "flows.durability" in sys.modules:  # Prefect was used: its client may hold records
+        from flows.durability import drain_prefect_clients
+
+        drain_prefect_clients()
 
 
 def _close_unused_runtime(run_id: str) -> None:

@@ -267,3 +267,17 @@ def test_a_run_whose_prefect_server_ends_stops_at_once_and_resume_finishes(tmp_p
                                                columns=["sample_uid"]).to_pylist()]
     assert len(uids) == len(set(uids)), "a sample written twice"
     _no_server_left(home)
+
+
+def test_prefects_queued_logs_reach_the_server_before_it_stops(tmp_path):
+    """At DEBUG, Prefect's client still queued log records when the run stopped its embedded
+    server; its exit hook then sent them to the stopped server, retrying each batch ~60 s
+    (77 s to exit a 10 s run). They go before the server stops now: nothing is retried."""
+    home = tmp_path / "home"
+    log = tmp_path / "debug.log"
+    proc = rlake(_args(home, "dbg"), cli_env(None, PREFECT_LOGGING_LEVEL="DEBUG"), log, timeout=600)
+    assert proc.returncode == 0, tail(log)
+    text = log.read_text()
+    assert "| DEBUG   |" in text, "Prefect's DEBUG logging was not on"
+    assert "retryable exception during request" not in text, tail(log)
+    assert "All connection attempts failed" not in text, tail(log)
