@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -206,8 +207,6 @@ def drain_prefect_clients(timeout_s: float = 10.0) -> None:
     run's own server answers: left for Prefect's exit hook, it went to a server already
     stopped, and each batch retried for ~60 s (a run at ``PREFECT_LOGGING_LEVEL=DEBUG`` took
     77 s to exit instead of 10, 2026-11-26)."""
-    import sys
-
     for module, name in (("prefect.logging.handlers", "APILogWorker"),
                          ("prefect.events.worker", "EventsWorker")):
         worker = getattr(sys.modules.get(module), name, None)  # never started: nothing queued

@@ -58,13 +58,16 @@ def healthy(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
+def recorded_server(home: str | Path) -> dict | None:
+    """{"pid", "url"} that ``ensure_server`` recorded for this state folder, or None."""
+    path = prefect_home(home) / STATE_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def server_info(home: str | Path) -> dict | None:
     """{"pid", "url"} of this state folder's live server, or None."""
-    path = prefect_home(home) / STATE_FILE
-    if not path.exists():
-        return None
-    info = json.loads(path.read_text())
-    return info if pid_alive(int(info["pid"])) and healthy(info["url"]) else None
+    info = recorded_server(home)
+    return info if info and pid_alive(int(info["pid"])) and healthy(info["url"]) else None
 
 
 def wait_until_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float,
@@ -110,12 +113,12 @@ def ensure_server(home: str | Path, port: int | None = None, startup_timeout_s: 
 
 def stop_server(home: str | Path) -> int | None:
     """Stop the state folder's server (by the PID in its state file); returns the PID or None."""
-    path = prefect_home(home) / STATE_FILE
-    if not path.exists():
+    info = recorded_server(home)
+    if info is None:
         return None
-    pid = int(json.loads(path.read_text())["pid"])
+    pid = int(info["pid"])
     _stop_group(pid)
-    path.unlink(missing_ok=True)
+    (prefect_home(home) / STATE_FILE).unlink(missing_ok=True)
     return pid
 
 
@@ -263,8 +266,7 @@ class ServerWatch:
 
     def stop(self) -> None:
         self._stopped.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        self._thread.join()
 
 
 def run_server_liveness(server: EmbeddedServer | None, home: str | Path
@@ -272,11 +274,12 @@ def run_server_liveness(server: EmbeddedServer | None, home: str | Path
     """(is it alive, what it is) for the Prefect server a run uses: its own embedded server, or
     the home's ``rlake serve`` server when the run found that one (``EmbeddedServer.start``);
     None for a server named by ``PREFECT_API_URL`` from outside (not this machine's to judge:
-    Prefect's client retries its calls there, ~60 s each)."""
+    Prefect's client retries its calls there, ~60 s each). The home's server answered when the
+    run chose it: its record is enough here."""
     if server is not None and server.proc is not None:
         proc = server.proc
         return (lambda: proc.poll() is None), f"its Prefect server (pid {proc.pid}, {server.url})"
-    info = server_info(home)
+    info = recorded_server(home)
     if info is None or info["url"] != os.environ.get("PREFECT_API_URL"):
         return None
     pid = int(info["pid"])

@@ -235,19 +235,16 @@ def server_lost(what: str, run_id: str, cfg: RunConfig) -> None:
     message = (f"\nerror: {what} ended while run {run_id} ran: the run stops here, as after a "
                f"crash (the lake and checkpoints are consistent); "
                f"`{resume_command(run_id, cfg)}` continues it\n")
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is sys.stderr:
-                stream.write(message)
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing to tell
-            pass
+    try:
+        sys.stdout.flush()
+        sys.stderr.write(message)
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed pipe: nothing to tell
+        pass
     os._exit(SERVER_LOST_EXIT)
 
 
 def _drain_prefect_clients() -> None:
-    import sys
-
     if "flows.durability" in sys.modules:  # Prefect was used: its client may hold records
         from flows.durability import drain_prefect_clients
 
@@ -255,8 +252,6 @@ def _drain_prefect_clients() -> None:
 
 
 def _close_unused_runtime(run_id: str) -> None:
-    import sys
-
     runtime = sys.modules.get("infra.runtime")
     if runtime is not None and run_id in runtime.RUNTIMES:
         from flows.durability import close_runtime
