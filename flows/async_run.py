@@ -34,7 +34,7 @@ import queue
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import pyarrow as pa
@@ -50,6 +50,7 @@ from flows.steps import (
     settle_commit,
     train_and_commit,
 )
+from infra.affinity import training_cores
 from infra.faults import ENV as FAULT_ENV
 from infra.faults import fault_point, set_iteration
 from infra.recovery import run_tag
@@ -230,13 +231,17 @@ def _slice_of_sent(rt: Runtime, weight_version: int, rows: pa.Table, batch: int,
 @contextmanager
 def rollout_process(rt: Runtime) -> Iterator[RolloutProcess | None]:
     """Async mode: the rollout side's process, started now (it loads while the training side
-    warms up; it generates nothing before the first hand-off) and stopped on exit. Sync: None."""
+    warms up; it generates nothing before the first hand-off) and stopped on exit; meanwhile
+    (``pin_cores``) this process has its own cores and its children the others
+    (infra/affinity.py). Sync: None."""
     if rt.cfg.mode != "async":
         yield None
         return
     producer = RolloutProcess(rt).start(current_api_url())
+    pin = rt.cfg.pin_cores and rt.cfg.cluster.ray_address is None  # Ray places its own workers
     try:
-        yield producer
+        with training_cores(rt.cfg.torch_threads) if pin else nullcontext():
+            yield producer
     finally:
         producer.stop()
 
@@ -255,4 +260,6 @@ def run_async(rt: Runtime, reporter: Callable[[str, dict], None], producer: Roll
     def batch_tags(i: int) -> set[str]:  # links the iteration to the batch it trains on
         return {batch_tag(i)}
 
-    run_iterations(rt, rl_iteration, reporter, batch_tags)
+    # top-level runs with the run's tags, beside the rollout side's: a subflow doubles the
+    # server's CPU per iteration, taken from the two sides (flows/prefetch.py)
+    run_iterations(rt, rl_iteration, reporter, batch_tags, nested=False)

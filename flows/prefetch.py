@@ -13,6 +13,13 @@ child of the run's flow run, with its tags, states, task runs and logs.
             runs.run({"run_id": r, "iteration": i},
                      upcoming=ahead(i, n, lambda j: {"run_id": r, "iteration": j}))
 
+With ``nested=False`` the runs are not subflows of the calling flow run but top-level runs
+carrying its tags (the first one is created here too, before it runs): Prefect's server keeps
+a tracking task run in the parent for each subflow and writes each of the subflow's state
+changes to it again, which doubled its CPU per iteration (~50 vs ~25 ms a flow run, 2026-11-27,
+docs/operations.md). Async mode runs this way: there the server's CPU competes with the two
+sides for the machine's cores.
+
 A pre-created run waits in state Pending named ``PREFETCHED`` until its iteration takes it. One
 never taken (the run stopped, failed or ended early) is deleted on exit; after a kill -9 the
 resume deletes it (``infra.recovery.delete_prefetched``), so no run that never started is left
@@ -277,8 +284,10 @@ def ahead(iteration: int, stop: int, parameters: Callable[[int], dict[str, Any]]
 class IterationRuns:
     """Hands out flow runs of ``flow`` created ahead of time (see the module docstring)."""
 
-    def __init__(self, flow: Flow, hold: Callable[[], Future | None] = lambda: None) -> None:
+    def __init__(self, flow: Flow, hold: Callable[[], Future | None] = lambda: None,
+                 nested: bool = True) -> None:
         self.hold = hold  # run_reported's: what a run's final state waits for
+        self.nested = nested  # False: top-level runs with the parent's tags (module docstring)
         # the next run is created once this one is Running (``_running``): its creation is
         # queued after this run's Running, and waits for every state queued later (``Writer``)
         self.flow = flow.with_options(on_running=[*flow.on_running_hooks, self._running])
@@ -322,6 +331,8 @@ class IterationRuns:
         runs (the first iteration only)."""
         extra_tags = set(extra_tags or ())
         future = self._pending.pop(_key(parameters, self._tags | extra_tags), None)
+        if future is None and not self.nested and self._pool is not None:
+            future = self._pool.submit(self._create, parameters, self._tags | extra_tags)
         self._next = list(upcoming)
         flow_run = _created(future)
         try:
@@ -385,18 +396,21 @@ class IterationRuns:
 
     def _create(self, parameters: dict[str, Any], tags: set[str]):
         """The records a subflow call creates (``prefect.flow_engine.FlowRunEngine.
-        create_flow_run``): the parent's tracking task run, then the flow run under it."""
+        create_flow_run``): the parent's tracking task run, then the flow run under it (only
+        the flow run, not ``nested``)."""
         client = self._client_()
-        tracker = Task(name=self.flow.name, fn=self.flow.fn, version=self.flow.version)
-        tracker._is_subflow_tracking_task = True
-        key = uuid4().hex  # a key no counter-made one takes (Prefect's own keys are 0, 1, ...)
-        task_run = client.create_task_run(
-            task=tracker, name=f"{self.flow.name}-{key[:8]}", flow_run_id=self._parent.id,
-            dynamic_key=key, state=Pending(), task_inputs={k: [] for k in parameters},
-            extra_tags=tags)
+        parent = None
+        if self.nested:
+            tracker = Task(name=self.flow.name, fn=self.flow.fn, version=self.flow.version)
+            tracker._is_subflow_tracking_task = True
+            key = uuid4().hex  # a key no counter-made one takes (Prefect's own keys are 0, 1, ...)
+            parent = client.create_task_run(
+                task=tracker, name=f"{self.flow.name}-{key[:8]}", flow_run_id=self._parent.id,
+                dynamic_key=key, state=Pending(), task_inputs={k: [] for k in parameters},
+                extra_tags=tags).id
         return client.create_flow_run(
             flow=self.flow, parameters=self.flow.serialize_parameters(parameters),
-            state=Pending(name=PREFETCHED), parent_task_run_id=task_run.id, tags=tags)
+            state=Pending(name=PREFETCHED), parent_task_run_id=parent, tags=tags)
 
     def _delete(self, future: Future) -> None:
         flow_run = _created(future)

@@ -301,6 +301,10 @@ class RunConfig(_Section):
                           "train, publish, record, eval) is a Prefect task run; false: the "
                           "iteration stays one flow run and its steps are plain calls with the "
                           "same retries (faster on small CPU runs: docs/operations.md)")
+    pin_cores: bool = Field(
+        True, description="async mode on Linux: the training process keeps torch_threads cores "
+                          "of its own, the rollout process and the run's helpers (Prefect's "
+                          "server, the MLflow tracker) share the others (infra/affinity.py)")
     num_rollout: int = Field(40, ge=0, description="RL iterations (slime: num_rollout)")
     deterministic: bool = False
     keep_checkpoints: int = Field(3, ge=1)

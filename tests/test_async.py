@@ -269,6 +269,10 @@ def test_kill9_of_the_rollout_process_fails_the_run_and_resume_completes(server)
         time.sleep(0.5)
     pid = _rollout_pid(mark, run.pid)
     assert pid is not None and run.poll() is None, tail(log)
+    if len(os.sched_getaffinity(0)) >= 2:  # pin_cores: the two sides on cores of their own
+        trainer_cores, rollout_cores = os.sched_getaffinity(run.pid), os.sched_getaffinity(pid)
+        assert len(trainer_cores) == 1 and not trainer_cores & rollout_cores, (trainer_cores,
+                                                                               rollout_cores)
     os.kill(pid, signal.SIGKILL)
     assert run.wait(timeout=600) not in (0, -signal.SIGKILL), tail(log)
     assert "rollout process exited" in tail(log)

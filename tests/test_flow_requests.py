@@ -154,6 +154,48 @@ def test_a_runs_final_state_waits_for_the_work_it_left_behind(tmp_path):
     assert out["states"] == {"COMPLETED": 2, "FAILED": 1}, out
 
 
+# async mode's iteration runs: top-level runs with the parent's tags, no tracking task runs
+TOP_LEVEL_PARENT = START_SERVER + """
+from prefect import flow, get_client, tags
+from flows.prefetch import IterationRuns, ahead
+
+@flow(name="child")
+def child(i: int) -> int:
+    return i
+
+@flow(name="parent")
+def parent() -> list:
+    with IterationRuns(child, nested=False) as runs:
+        return [runs.run({"i": i}, upcoming=ahead(i, 3, lambda j: {"i": j})) for i in range(3)]
+
+try:
+    with tags("rlake-run:t"):
+        out = parent()
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs()
+        parent_run = next(r for r in runs if r.name and r.parameters == {})
+        children = sorted((r for r in runs if "i" in r.parameters), key=lambda r: r.parameters["i"])
+        print(json.dumps({
+            "out": out,
+            "children": [[r.parameters["i"], r.state_type.value, r.parent_task_run_id is None,
+                          "rlake-run:t" in r.tags] for r in children],
+            "parent_task_runs": len(client.read_task_runs()),
+        }))
+finally:
+    server.stop()
+"""
+
+
+def test_top_level_iteration_runs_carry_the_parents_tags_and_no_tracking_task_run(tmp_path):
+    """``IterationRuns(nested=False)`` (async mode): every iteration, the first one too, runs on
+    a flow run of its own with the parent's tags and no parent task run, and the parent flow
+    run has no tracking task runs (the server would copy every state of the child to one)."""
+    out = json.loads(_run(["-c", TOP_LEVEL_PARENT], tmp_path).strip().splitlines()[-1])
+    assert out == {"out": [0, 1, 2],
+                   "children": [[i, "COMPLETED", True, True] for i in range(3)],
+                   "parent_task_runs": 0}, out
+
+
 # a dead process's runs created ahead, as resume finds them: all Pending ``PREFETCHED`` (their
 # Running states were still queued); iteration 3 had started tasks, 4 had not, 5 was committed
 DEAD_PROCESS_RUNS = START_SERVER + """

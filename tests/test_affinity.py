@@ -1,0 +1,56 @@
+"""infra/affinity.py: async mode's core split, on this machine's real scheduler."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from infra.affinity import child_pids, split_cores, training_cores
+
+
+def test_the_training_process_takes_the_first_cores_and_leaves_at_least_one():
+    assert split_cores([1, 0], 1) == ({0}, {1})
+    assert split_cores(range(8), 2) == ({0, 1}, set(range(2, 8)))
+    assert split_cores([3, 5, 7], 1) == ({3}, {5, 7})
+    assert split_cores([0], 1) is None  # nothing left for the rollout side: no pinning
+    assert split_cores([0, 1], 2) is None
+
+
+def _cores(pid: int) -> set[int]:
+    return os.sched_getaffinity(pid)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
+def test_training_cores_pins_this_process_and_its_children_apart_then_puts_them_back():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        mine_before, child_before = _cores(0), _cores(child.pid)
+        assert child.pid in child_pids(os.getpid())
+        started: dict[str, set[int]] = {}
+        with training_cores(1) as split:
+            mine, rest = split
+            assert _cores(0) == mine and _cores(child.pid) == rest
+            assert not (mine & rest) and mine | rest == mine_before
+            # a thread started meanwhile inherits the training cores ...
+            ready, leave = threading.Event(), threading.Event()
+
+            def worker() -> None:
+                started["tid"] = threading.get_native_id()
+                ready.set()
+                leave.wait(30)
+            thread = threading.Thread(target=worker)
+            thread.start()
+            ready.wait(30)
+            assert _cores(started["tid"]) == mine
+        # ... and is put back with every other thread
+        assert _cores(0) == mine_before and _cores(child.pid) == child_before
+        assert _cores(started["tid"]) == mine_before
+        leave.set()
+        thread.join()
+    finally:
+        child.kill()
+        child.wait()
