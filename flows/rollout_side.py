@@ -35,11 +35,6 @@ def batch_tag(batch: int) -> str:
     return BATCH_TAG.format(batch)
 
 
-def batch_run_name(batch: int) -> str:
-    """The name of rollout batch ``batch``'s task run (its iteration carries ``batch_tag``)."""
-    return f"rollout_batch-{batch}"
-
-
 def die_with_parent(parent_pid: int) -> None:
     """SIGKILL this process when its parent dies (Linux); exit now if it already has."""
     try:
@@ -102,9 +97,8 @@ def produce(side, mailbox: Mailbox, outbox, stop_at: int) -> None:
         def send_rows(stats: dict, rows, batch: int = batch) -> None:
             outbox.put(("rows", batch, stats, rows))
 
-        # named after its batch, untagged (flows.prefetch.untagged says why)
-        _, lake_version = rollout_batch.with_options(task_run_name=batch_run_name(batch))(
-            side, batch, send_rows)
+        # named after its batch (BATCH_RUN_NAME), untagged (flows.prefetch.untagged says why)
+        _, lake_version = rollout_batch(side, batch, send_rows)
         outbox.put(("appended", batch, lake_version))
         batch += 1
 
