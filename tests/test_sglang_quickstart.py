@@ -8,10 +8,14 @@ import pytest
 
 from buffer import Lake
 from infra.checkpoints import saved_versions
-from tests.learning import assert_learned
+from tests.learning import EVAL_INTERVAL, LATE_VERSIONS, LEARN_ITERATIONS, assert_learned
 
 pytestmark = pytest.mark.sglang
-ITERATIONS = 60  # 20 (+0.03) was inside the noise; 40 gave +0.078 = 2.8 standard errors (2026-11-23)
+# the learning tests' shape (tests/learning.py): 20 iterations (+0.03) were inside the noise, 40
+# gave +0.078 = 2.8 standard errors (2026-11-23), and one version after 60 gave +0.048 = 1.9 in a
+# CI run of 2026-11-27 (SGLang's sampling is not seeded like the torch engine's): the mean of the
+# late versions of 100 iterations, as the other learning tests
+ITERATIONS = LEARN_ITERATIONS
 
 
 def test_sglang_engine_learns_the_quickstart_task(tmp_path, cli, warm_model):
@@ -19,15 +23,16 @@ def test_sglang_engine_learns_the_quickstart_task(tmp_path, cli, warm_model):
          "--set", f"model.path={warm_model['checkpoint']}", "--set", "sft.enabled=false",
          "--set", "rollout.engine=sglang", "--set", "rollout.sglang.num_servers=1",
          "--set", "rollout.sglang.weight_sync=distributed", "--set", "save_interval=20",
-         "--set", f"num_rollout={ITERATIONS}", "--set", f"eval.eval_interval={ITERATIONS}",
+         "--set", f"num_rollout={ITERATIONS}", "--set", f"eval.eval_interval={EVAL_INTERVAL}",
          "--set", "prefect_task_runs=false",  # learning is the subject (tests/test_task_runs.py)
          ], env={"PREFECT_HOME": str(tmp_path / "prefect")})
     lake = Lake(str(tmp_path / "lake"))
     evals = sorted((e["weight_version"], e["value"]) for e in lake.read("evals", run_id="sglang").to_pylist()
                    if e["metric"] == "accuracy")
-    assert [v for v, _ in evals] == [0, ITERATIONS]
-    gain = assert_learned(lake, "sglang", 0, ITERATIONS)  # >= 3 standard errors, paired
-    assert gain == pytest.approx(evals[-1][1] - evals[0][1])
+    assert [v for v, _ in evals] == list(range(0, ITERATIONS + 1, EVAL_INTERVAL))
+    gain = assert_learned(lake, "sglang", 0, LATE_VERSIONS)  # >= 3 standard errors, paired
+    late = [a for v, a in evals if v in LATE_VERSIONS]
+    assert gain == pytest.approx(sum(late) / len(late) - evals[0][1])
     rows = lake.read("trajectories", run_id="sglang").to_pylist()
     train = [r for r in rows if r["kind"] == "train"]
     assert {r["engine"] for r in train} == {"sglang"}
