@@ -217,6 +217,14 @@ def test_dead_and_hung_servers_are_restarted_and_batch_completes(engine, ckpts):
     assert engine.stats["restarts"] >= 2 and engine.stats["reissued"] > 0
     for w in (dead, hung):
         assert w.server.alive() and served_weight_version(engine.http, w.url) == "4"
-    results = engine.generate(PROMPTS * 4, SamplingParams(max_new_tokens=8, temperature=1.0))
-    assert {r.meta["server"] for r in results} == {dead.url, hung.url}
-    assert mismatch(ckpts["a"], PROMPTS * 4, results, 1.0) < TOL
+    # both restarted servers serve: each call's two requests go to the least busy server, but a
+    # request may end before the other is sent (both then on one server: seen once in CI,
+    # 2026-11-27), so calls are repeated until both answered (a bound, not a timing)
+    served: set[str] = set()
+    for _ in range(10):
+        results = engine.generate(PROMPTS * 4, SamplingParams(max_new_tokens=8, temperature=1.0))
+        assert mismatch(ckpts["a"], PROMPTS * 4, results, 1.0) < TOL
+        served |= {r.meta["server"] for r in results}
+        if served == {dead.url, hung.url}:
+            break
+    assert served == {dead.url, hung.url}
