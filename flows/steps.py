@@ -158,9 +158,9 @@ def commits_behind(rt: Runtime, iteration: int, evaluating: bool) -> bool:
     generates (sync) or trains (async) while this one's train_steps row is written. Only on a
     pre-created flow run, whose Completed ``IterationRuns`` holds until the commit landed (a
     plain subflow call's would go out before it: a process's first iteration in sync mode, or
-    one whose run could not be created ahead); not one that evaluates (the evaluation follows the commit) or
-    the last, nor one where a fault point after the commit is armed (the kill then comes inside
-    this iteration's flow run)."""
+    one whose run could not be created ahead); not one that evaluates (the evaluation follows
+    the commit) or the last, nor one where a fault point after the commit is armed (the kill then
+    comes inside this iteration's flow run)."""
     return (final_state_held() and iteration < rt.cfg.num_rollout - 1 and not evaluating
             and not any(fault_armed(p, iteration) for p in POST_COMMIT_POINTS))
 

@@ -3,7 +3,7 @@
 The training process keeps ``torch_threads`` cores of its own; its child processes (the rollout
 side's process, the embedded Prefect server, the MLflow tracker) share the others. Unpinned, the
 scheduler spreads five busy processes over the cores and the train step, the iteration's
-critical path, lost its core to them in turns: on 2 cores it took 0.088-0.096 s in async mode
+critical path, lost its core to them in turns: on 2 cores it took 0.088-0.099 s in async mode
 against 0.063-0.070 s pinned (2026-11-27, docs/operations.md).
 """
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+
+from infra.recovery import parent_pid
 
 
 def split_cores(available: Iterable[int], training_threads: int) -> tuple[set[int], set[int]] | None:
@@ -25,19 +27,8 @@ def split_cores(available: Iterable[int], training_threads: int) -> tuple[set[in
 
 def child_pids(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (from /proc)."""
-    children = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                stat = f.read()
-        except OSError:  # ended meanwhile
-            continue
-        # the command name (field 2) may hold spaces or parentheses: fields after its last ")"
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            children.append(int(entry.name))
-    return children
+    return [int(e.name) for e in os.scandir("/proc")
+            if e.name.isdigit() and parent_pid(int(e.name)) == pid]
 
 
 def pin_process(pid: int, cores: set[int]) -> None:

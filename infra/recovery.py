@@ -51,7 +51,8 @@ def _cmdline(pid: int) -> str:
     return _read(Path(f"/proc/{pid}/cmdline")).replace(b"\0", b" ").decode(errors="replace")
 
 
-def _ppid(pid: int) -> int | None:
+def parent_pid(pid: int) -> int | None:
+    """The parent of process ``pid`` (from /proc), or None when it is gone."""
     stat = _read(Path(f"/proc/{pid}/stat")).decode(errors="replace")
     # "pid (comm) state ppid ...": comm may hold spaces, so split after the last ')'
     fields = stat.rpartition(")")[2].split()
@@ -83,7 +84,7 @@ def orphan_servers(prefect_home: str | Path) -> list[int]:
     longer a Python process (adopted by a shell or a subreaper). Our own server is never one."""
     out = []
     for pid in prefect_servers(prefect_home):
-        parent = _ppid(pid)
+        parent = parent_pid(pid)
         if parent == os.getpid():
             continue
         if parent in (None, 0, 1) or not pid_alive(parent) or "python" not in _cmdline(parent):

@@ -243,9 +243,9 @@ def test_kill9_then_resume_trains_what_the_lake_holds(server):
 
 def _rollout_pid(mark: str, parent: int) -> int | None:
     """The rollout process of the run ``parent`` (a child of it carrying the test's mark)."""
-    from infra.recovery import _ppid
+    from infra.recovery import parent_pid
 
-    kids = [p for p in pids_with_env("RLAKE_TEST_MARK", mark) if _ppid(p) == parent]
+    kids = [p for p in pids_with_env("RLAKE_TEST_MARK", mark) if parent_pid(p) == parent]
     return next((p for p in kids if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text(
         errors="replace")), None)
 
