@@ -11,6 +11,8 @@ import shutil
 from functools import partial
 from pathlib import Path
 
+import torch
+
 from buffer import Lake
 from infra.checkpoints import prunable, resume_checkpoint, saved_versions
 from infra.cluster import megatron_ray_ranks, required_cpus
@@ -219,6 +221,10 @@ def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False
                              "generate; resume it with flows.replay.rl_replay(resume=True) (`rlake resume` does)")
         cfg = config_from_dict(json.loads(row["config"]))
     run_id = run_id or cfg.run_id or new_run_id()
+    # the run's thread count, whoever calls (the CLI sets it too; `rl_run` from Python or a
+    # deployment's worker may not): torch's default, one thread per core, would put two
+    # threads on the one core async mode pins the training process to (30x slower, measured)
+    torch.set_num_threads(cfg.torch_threads)
     seed_everything(cfg.seed)
     run_dir = home / "runs" / run_id
     run_dir.mkdir(parents=True, exist_ok=True)

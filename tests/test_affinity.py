@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -54,3 +55,39 @@ def test_training_cores_pins_this_process_and_its_children_apart_then_puts_them_
     finally:
         child.kill()
         child.wait()
+
+
+PYTHON_API_RUN = """
+import json, sys
+import torch
+
+torch.set_num_threads(2)  # the caller's own count (torch's default on two cores)
+from flows.rl import rl_run, set_reporter
+from infra.config import load_config
+
+cfg = load_config("configs/quickstart.yaml", [f"home={sys.argv[1]}", "num_rollout=2",
+                  "mode=async", "trainer.max_staleness=1", *sys.argv[2:]])
+threads = []
+set_reporter(lambda event, payload: threads.append(torch.get_num_threads())
+             if event == "iteration" else None)
+rl_run(cfg.model_dump(), run_id="python-api")
+print(json.dumps(threads))
+"""
+
+
+def test_a_run_started_from_python_trains_with_the_runs_torch_threads(tmp_path):
+    """``rl_run`` called from Python (or a deployment's worker), not through the CLI that sets
+    torch's threads: the run still uses ``torch_threads``, not the caller's count. Async mode
+    pins the training process to ``torch_threads`` cores; two threads on one core ran 30x slower."""
+    from tests.conftest import REPO
+    from tests.opshelp import TINY, cli_env
+
+    overrides = [TINY[i + 1] for i in range(0, len(TINY), 2)]
+    home = tmp_path / "home"
+    (home / "prefect").mkdir(parents=True)
+    env = cli_env(None, PYTHONPATH=str(REPO), PREFECT_HOME=str(home / "prefect"))
+    env.pop("OMP_NUM_THREADS")
+    proc = subprocess.run([sys.executable, "-c", PYTHON_API_RUN, str(home), *overrides], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [1, 1]
