@@ -1,6 +1,7 @@
 """Startup to the first RL iteration, measured from outside through the real CLI.
 
     python bench/startup.py [--repo PATH] [--repeats 3] [--held-out 500] [--running-server]
+                            [--set key=value ...]
 
 A short SFT run makes a checkpoint once; then each repeat starts ``rlake run`` from it
 (``model.path``, SFT off, one RL iteration) on a fresh home and measures
@@ -8,7 +9,13 @@ A short SFT run makes a checkpoint once; then each repeat starts ``rlake run`` f
     startup = (start of iteration 0) - (moment the command was launched)
 
 where the start of iteration 0 is its ``train_steps`` row's ``created_at`` minus the phases it
-records before it (``timings``). ``--repo`` runs another checkout's code (e.g. the old one, for a ratio
+records before it (``timings``), and
+
+    first step = (iteration 0's commit) - (launch)
+
+which compares across modes (async mode's iteration 0 starts by waiting for the rollout
+process's first batch: its ``wait_rollout`` phase). ``--set`` overrides every RL run's config
+(e.g. ``--set mode=async --set trainer.max_staleness=1``). ``--repo`` runs another checkout's code (e.g. the old one, for a ratio
 measured on the same machine at the same time). ``--running-server`` also measures, alternating
 with the default, runs pointed at a Prefect server already running (``PREFECT_API_URL``, as a
 cluster profile or a running ``prefect server start`` gives): no server start on their path.
@@ -51,13 +58,15 @@ def rlake(repo: Path, args: list[str], home: Path, api_url: str | None = None) -
     return start
 
 
-def first_iteration_start(home: Path, run_id: str) -> float:
+def first_iteration(home: Path, run_id: str) -> tuple[float, float]:
+    """(start, commit) of iteration 0, epoch seconds."""
     sys.path.insert(0, str(HERE))
     from buffer import Lake
 
     row = [r for r in Lake(str(home / "lake")).read("train_steps", run_id=run_id).to_pylist()
            if r["iteration"] == 0][0]
-    return row["created_at"].replace(tzinfo=UTC).timestamp() - sum(json.loads(row["timings"]).values())
+    committed = row["created_at"].replace(tzinfo=UTC).timestamp()
+    return committed - sum(json.loads(row["timings"]).values()), committed
 
 
 @contextmanager
@@ -86,6 +95,8 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=30)
     ap.add_argument("--running-server", action="store_true",
                     help="also measure runs against a Prefect server started beforehand")
+    ap.add_argument("--set", dest="overrides", action="append", default=[],
+                    help="config override for every RL run, e.g. mode=async")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp), args.running_server) as url:
         base = Path(tmp) / "sft-home"
@@ -95,6 +106,8 @@ def main() -> None:
                           "--set", f"data.held_out_size={args.held_out}"], base)
         ckpt = base / "runs" / "sft" / "checkpoints" / "v000000"
         startups: dict[str | None, list[float]] = {None: [], url: []} if url else {None: []}
+        first_steps: list[float] = []
+        overrides = [x for o in args.overrides for x in ("--set", o)]
         for i in range(args.repeats):
             for server in startups:  # alternated: the same machine state for both
                 name = f"rl{i}{'-running' if server else ''}"
@@ -103,15 +116,21 @@ def main() -> None:
                     "run", "configs/quickstart.yaml", "--run-id", name, "--set", f"home={home}",
                     "--set", f"model.path={ckpt}", "--set", "sft.enabled=false",
                     "--set", "num_rollout=1", "--set", f"data.held_out_size={args.held_out}",
-                    *SMALL], home, server)
-                startups[server].append(first_iteration_start(home, name) - launched)
+                    *SMALL, *overrides], home, server)
+                start, committed = first_iteration(home, name)
+                startups[server].append(start - launched)
+                if server is None:
+                    first_steps.append(committed - launched)
     embedded = startups[None]
     extra = {}
     if url:
         extra = {"startup_running_server_s": [round(s, 2) for s in startups[url]],
                  "median_startup_running_server_s": round(statistics.median(startups[url]), 2)}
     print(json.dumps({"repo": str(args.repo), "startup_s": [round(s, 2) for s in embedded],
-                      "median_startup_s": round(statistics.median(embedded), 2), **extra,
+                      "median_startup_s": round(statistics.median(embedded), 2),
+                      "first_step_s": [round(s, 2) for s in first_steps],
+                      "median_first_step_s": round(statistics.median(first_steps), 2),
+                      "overrides": args.overrides, **extra,
                       "note": "fresh home each repeat (its Prefect database copied from the "
                               "template the SFT run left in the cache, infra/prefect_db.py); "
                               "includes the initial held-out evaluation"}))

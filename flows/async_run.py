@@ -28,7 +28,6 @@ never regenerated.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import queue
 import time
@@ -40,7 +39,7 @@ from functools import partial
 import pyarrow as pa
 from prefect import flow
 
-from flows.rollout_side import batch_tag, rollout_process_main
+from flows.rollout_side import batch_tag
 from flows.steps import (
     commits_behind,
     eval_due,
@@ -51,11 +50,11 @@ from flows.steps import (
     train_and_commit,
 )
 from infra.affinity import training_cores
-from infra.faults import ENV as FAULT_ENV
 from infra.faults import fault_point, set_iteration
 from infra.recovery import run_tag
 from infra.runtime import Runtime
 from infra.sides import batches_in_lake, pack_weights
+from infra.spawned import SpawnedProcess
 from rollout.context import rollout_stats_from_commit
 from tasks.async_batches import batch_slice, read_rollout_batch
 from tasks.eval import evaluate
@@ -92,19 +91,16 @@ class RolloutProcess:
         self.proc = None
 
     def start(self, api_url: str | None) -> RolloutProcess:
-        ctx = multiprocessing.get_context("spawn")  # deltalake and torch do not survive fork
-        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
-        spec = {"config": self.rt.cfg.model_dump(), "run_id": self.rt.run_id,
-                "version": self.rt.trainer.weight_version, "parent_pid": os.getpid(),
-                "api_url": api_url, "run_tag": run_tag(self.rt.run_id)}
-        fault = os.environ.pop(FAULT_ENV, None)  # fault points name the training process's steps
-        try:
-            self.proc = ctx.Process(target=rollout_process_main, args=(spec, self.inbox, self.outbox),
-                                    name="rlake-rollout", daemon=True)
-            self.proc.start()
-        finally:
-            if fault is not None:
-                os.environ[FAULT_ENV] = fault
+        """Run the rollout side in the process spawned when the runtime opened (it has
+        imported torch and the lake meanwhile: infra/spawned.py), or in one spawned now."""
+        spawned = self.rt.spawned or SpawnedProcess(self.rt.cfg.home, self.rt.cfg.torch_threads)
+        self.rt.spawned = None  # this handle stops it from now on
+        self.proc, self.inbox, self.outbox, self._spawned = (
+            spawned.proc, spawned.inbox, spawned.outbox, spawned)
+        spawned.run("flows.rollout_side:rollout_process_main", {
+            "config": self.rt.cfg.model_dump(), "run_id": self.rt.run_id,
+            "version": self.rt.trainer.weight_version, "parent_pid": os.getpid(),
+            "api_url": api_url, "run_tag": run_tag(self.rt.run_id)})
         return self
 
     def hand_off(self, version: int, after: Future | None = None) -> None:
@@ -164,15 +160,7 @@ class RolloutProcess:
     def stop(self) -> None:
         if self.proc is None:
             return
-        if self.proc.is_alive():
-            self.inbox.put(("stop",))
-            self.proc.join(timeout=30)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(timeout=10)
-        for q in (self.inbox, self.outbox):
-            q.cancel_join_thread()
-            q.close()
+        self._spawned.stop()
         self.proc = None
 
 

@@ -13,36 +13,23 @@ wait keeps every trained sample within k versions of the trainer, after a resume
 batch and the data position are read back from the lake (``infra.sides.resume_position``), and
 the first weights are the committed version the training side resumed from.
 
-The process dies with its parent (``PR_SET_PDEATHSIG``): after a ``kill -9`` of the run, no
-orphan keeps appending while a resumed run's own rollout side starts.
+The process is spawned when the run's runtime opens, and has imported torch and the lake by the
+time it is told to run ``rollout_process_main`` (infra/spawned.py: it dies with its parent).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import queue
-import signal
 import traceback
 from typing import Any
 
 BATCH_TAG = "rlake-batch:{}"
-PR_SET_PDEATHSIG = 1
 
 
 def batch_tag(batch: int) -> str:
     """The Prefect tag of the iteration that trains on rollout batch ``batch``."""
     return BATCH_TAG.format(batch)
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when its parent dies (Linux); exit now if it already has."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:  # not glibc: the mailbox's parent check still ends the loop
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 class Mailbox:
@@ -104,27 +91,20 @@ def produce(side, mailbox: Mailbox, outbox, stop_at: int) -> None:
 
 
 def rollout_process_main(spec: dict[str, Any], inbox, outbox) -> None:
-    """Entry of the spawned process: ``spec`` = {config, run_id, version, parent_pid, api_url,
-    run_tag}. Reports ("ready", next batch), ("rows", b, stats, rows), ("appended", b, Delta
-    version or None), ("error", text)."""
-    # before torch and Prefect: its exit handler then runs after theirs (infra/quick_exit.py)
-    from infra import quick_exit
-
-    die_with_parent(spec["parent_pid"])
-    if spec.get("api_url"):
+    """What the spawned process runs (``infra.spawned.SpawnedProcess.run``): ``spec`` =
+    {config, run_id, version, parent_pid, api_url, run_tag}. Reports ("ready", next batch),
+    ("rows", b, stats, rows), ("appended", b, Delta version or None), ("error", text)."""
+    if spec.get("api_url"):  # read by Prefect at its import: before it, if not imported yet
         os.environ["PREFECT_API_URL"] = spec["api_url"]
     try:
-        from infra.config import config_from_dict
-        from infra.env import configure_environment
-
-        cfg = config_from_dict(spec["config"])
-        configure_environment(cfg.home, cfg.torch_threads)
         from prefect import flow, tags
         from prefect.settings import temporary_settings
 
         from flows.prefetch import untagged
+        from infra.config import config_from_dict
         from infra.sides import open_rollout_side
 
+        cfg = config_from_dict(spec["config"])
         side = open_rollout_side(cfg, spec["run_id"], spec["version"])
         outbox.put(("ready", side.next_batch))
         mailbox = Mailbox(inbox, spec["parent_pid"])
@@ -134,11 +114,11 @@ def rollout_process_main(spec: dict[str, Any], inbox, outbox) -> None:
             with untagged():  # the flow run carries the run's tag; its batches need none
                 produce(side, mailbox, outbox, cfg.num_rollout)
 
-        with temporary_settings(updates={"flows.heartbeat_frequency": None}), tags(spec["run_tag"]):
+        settings = {"flows.heartbeat_frequency": None}
+        if spec.get("api_url"):  # Prefect imported before the run was told where its API is
+            settings["api.url"] = spec["api_url"]
+        with temporary_settings(updates=settings), tags(spec["run_tag"]):
             rollout_side(spec["run_id"], side.next_batch)
     except BaseException:
         outbox.put(("error", traceback.format_exc()))
         raise
-    # the training side waits for this process to end: without Python's teardown (~1.5 s), once
-    # multiprocessing flushed the queues and Prefect drained its events
-    quick_exit.exit_code = 0

@@ -19,6 +19,7 @@ from infra.cluster import megatron_ray_ranks, required_cpus
 from infra.config import RunConfig, config_from_dict
 from infra.modeling import load_tokenizer, placement, tiny_model, use_deterministic_algorithms
 from infra.sides import RolloutSide
+from infra.spawned import SpawnedProcess
 from infra.startup import new_run_id  # noqa: F401 - re-exported (flows.replay)
 from infra.tracker_process import TrackerProcess
 from infra.tracking import Tracker
@@ -75,6 +76,9 @@ class Runtime:
         self.reporter = None
         # the previous iteration's commit while it runs behind (a Future: flows.steps.run_behind)
         self.pending_commit = None
+        # async mode: the rollout side's process, spawned when the runtime opened, until the
+        # run starts the rollout side in it (flows.async_run.RolloutProcess)
+        self.spawned: SpawnedProcess | None = None
 
     def report(self, event: str, payload: dict) -> None:
         """Live progress for the CLI (no-op when nobody listens)."""
@@ -230,6 +234,23 @@ def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False
     run_dir.mkdir(parents=True, exist_ok=True)
     # first: MLflow's import and store open in their own process while this one loads the rest
     tracker = TrackerProcess(home)
+    # and async mode's rollout process imports while the run starts (infra/spawned.py)
+    spawned = SpawnedProcess(home, cfg.torch_threads) if cfg.mode == "async" and not replay else None
+    try:
+        rt = _open(cfg, run_id, resume, home, lake, tracker, row if resume else None)
+    except BaseException:
+        if spawned is not None:
+            spawned.stop()
+        tracker.close()
+        raise
+    rt.spawned = spawned
+    RUNTIMES[run_id] = rt
+    return rt
+
+
+def _open(cfg: RunConfig, run_id: str, resume: bool, home: Path, lake: Lake,
+          tracker: TrackerProcess, row: dict | None) -> Runtime:
+    run_dir = home / "runs" / run_id
     base = _base_model_dir(cfg, run_dir)
     tokenizer = load_tokenizer(base)
     dataset, held_out = _task_data(cfg, tokenizer)
@@ -249,7 +270,6 @@ def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False
     if model_dir != base:
         rt.trainer.load(str(model_dir))
     rt.engine = _make_engine(cfg, model_dir, tokenizer, start_version)
-    RUNTIMES[run_id] = rt
     return rt
 
 

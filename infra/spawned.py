@@ -1,0 +1,97 @@
+"""Async mode's rollout process, spawned early: it imports what a rollout side needs while the
+run is still starting, then waits to be told what to run.
+
+Spawning it (Python, multiprocessing's bootstrap, the main module again) and importing torch,
+the model code, the lake and Prefect's client cost ~2.4 s of CPU here (2026-11-27,
+docs/operations.md, Startup). Started when the run's runtime opens (``infra.runtime.open_runtime``),
+that work overlaps the wait for Prefect's server instead of following it, on the path to the
+first batch. What it runs comes later, by name, with its spec (``SpawnedProcess.run``): the
+Prefect API's address and the weight version it starts from are known only then, and this
+module stays below ``flows/`` (it never imports them).
+
+The process dies with its parent (``PR_SET_PDEATHSIG``): after a ``kill -9`` of the run, no
+orphan keeps appending while a resumed run's own rollout side starts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import multiprocessing
+import os
+import signal
+from typing import Any
+
+from infra.faults import ENV as FAULT_ENV
+
+PR_SET_PDEATHSIG = 1
+# imported while waiting: the rollout side's own modules (torch, the model code, the lake)
+PRELOAD = ("infra.sides",)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent dies (Linux); exit now if it already has."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not glibc: the rollout side's parent check still ends its loop
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+class SpawnedProcess:
+    """A spawned process (``spawned_main``) and its two queues: ``inbox`` (to it) and
+    ``outbox`` (from it)."""
+
+    def __init__(self, home: str, torch_threads: int) -> None:
+        ctx = multiprocessing.get_context("spawn")  # deltalake and torch do not survive fork
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        fault = os.environ.pop(FAULT_ENV, None)  # fault points name the training process's steps
+        try:
+            self.proc = ctx.Process(target=spawned_main, name="rlake-rollout", daemon=True,
+                                    args=(str(home), torch_threads, os.getpid(), self.inbox,
+                                          self.outbox))
+            self.proc.start()
+        finally:
+            if fault is not None:
+                os.environ[FAULT_ENV] = fault
+
+    def run(self, target: str, spec: dict[str, Any]) -> None:
+        """Have the process call ``target`` ("module:function") with ``(spec, inbox, outbox)``."""
+        self.inbox.put(("run", target, spec))
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Ask it to stop ("stop": before or while it runs its target), kill it after
+        ``timeout_s``, and close the queues."""
+        if self.proc.is_alive():
+            self.inbox.put(("stop",))
+            self.proc.join(timeout=timeout_s)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=10)
+        for q in (self.inbox, self.outbox):
+            q.cancel_join_thread()
+            q.close()
+
+
+def spawned_main(home: str, torch_threads: int, parent_pid: int, inbox, outbox) -> None:
+    """Entry of the spawned process: import, then run the target the first message names
+    (nothing, on "stop")."""
+    # before torch and Prefect: its exit handler then runs after theirs (infra/quick_exit.py)
+    from infra import quick_exit
+
+    die_with_parent(parent_pid)
+    from infra.env import configure_environment
+
+    configure_environment(home, torch_threads)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    if os.environ.get("PREFECT_API_URL"):  # its settings are read at import: only with the URL
+        importlib.import_module("prefect")
+    message = inbox.get()
+    if message[0] == "run":
+        module, function = message[1].split(":")
+        getattr(importlib.import_module(module), function)(message[2], inbox, outbox)
+    # the training side waits for this process to end: without Python's teardown (~1.5 s), once
+    # multiprocessing flushed the queues and Prefect drained its events
+    quick_exit.exit_code = 0
