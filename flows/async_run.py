@@ -239,7 +239,7 @@ def run_async(rt: Runtime, reporter: Callable[[str, dict], None], producer: Roll
     The runtime is passed to the iteration flow by closure (a flow's parameters go to the
     Prefect API, so only the run id and iteration are parameters)."""
 
-    @flow(name="rl_iteration")
+    @flow(name="rl_iteration", validate_parameters=False)  # as flows.rl's: rlake calls it
     def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
         return train_iteration(rt, producer, iteration)
 

@@ -71,7 +71,9 @@ def sft_warmup(run_id: str) -> dict[str, float]:
     return metrics
 
 
-@flow(name="rl_iteration")
+# rlake passes (run_id, iteration) itself: no pydantic model built per call to check them
+# (~0.75 ms of the training process's CPU an iteration)
+@flow(name="rl_iteration", validate_parameters=False)
 def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
     rt = RUNTIMES[run_id]
     timings: dict[str, float] = {}

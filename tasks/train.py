@@ -22,12 +22,15 @@ def train(rt: Runtime, training_slice: pa.Table) -> dict[str, float]:
 
 
 @step_task(name="publish_weights")
-def publish_weights(rt: Runtime, weight_version: int, save: bool = True, wait: bool = True) -> str | None:
+def publish_weights(rt: Runtime, weight_version: int, save: bool = True, wait: bool = True,
+                    prune: bool = True) -> str | None:
     """Hand weights ``v`` to the engine: in memory where it takes tensors (an in-process engine
     copies them; SGLang with ``weight_sync: distributed`` receives them over its weight-update
     group), else from checkpoint ``v`` on disk. The checkpoint is written when ``save`` or when
     the engine needs it (always then); with ``wait`` False, and a trainer that can, in the
-    background (trainers/checkpoint.py) while the run goes on. Returns the checkpoint folder, or
+    background (trainers/checkpoint.py) while the run goes on. A new checkpoint prunes older
+    ones (``prune``; the committed version read from the lake) unless the caller prunes after its
+    commit (``flows.steps.commit_step``, knowing the version). Returns the checkpoint folder, or
     None when none is written."""
     weights = in_process_weights(rt)
     path = rt.checkpoint_dir(weight_version)
@@ -43,7 +46,7 @@ def publish_weights(rt: Runtime, weight_version: int, save: bool = True, wait: b
         rt.engine.load_state_dict(weights, weight_version)
     else:
         rt.engine.update_weights(str(path), weight_version)
-    if writes_checkpoint:  # a new folder (the hand-off alone changes nothing on disk)
+    if writes_checkpoint and prune:  # a new folder (the hand-off alone changes nothing on disk)
         rt.prune_checkpoints(keep_version=weight_version)
     return str(path) if writes_checkpoint else None
 
