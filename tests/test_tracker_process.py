@@ -88,3 +88,29 @@ def test_the_helper_ends_when_the_run_process_is_killed(tmp_path):
         assert not _alive(int(helper)), "the helper outlived the run's process"
     finally:
         parent.kill()
+
+
+def test_a_flushed_metric_survives_a_kill9_of_the_helper_without_fsync_per_commit(tmp_path):
+    """The home's MLflow database runs with a write-ahead log and ``synchronous=NORMAL``
+    (``infra.tracking.sqlite_commits_without_fsync``): what a flush returned for is in the
+    database after the helper dies by kill -9, which a resume's ``recover`` then reads."""
+    import sqlite3
+
+    from infra.tracker_process import TrackerProcess
+    from infra.tracking import tracking_db
+
+    tracker = TrackerProcess(tmp_path)
+    run_id = tracker.start("k", params={}, tags={"rlake.run_id": "k"})
+    for step in range(5):
+        tracker.log_metrics({"x": float(step)}, step)
+    tracker.register_weight_version_later("k", 1, {"iteration": "0", "checkpoint": ""})
+    tracker.flush()
+    with sqlite3.connect(tracking_db(tmp_path)) as con:
+        assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    os.kill(tracker._proc.pid, signal.SIGKILL)
+    tracker._proc.wait(timeout=30)
+    with sqlite3.connect(tracking_db(tmp_path)) as con:
+        steps = {s for (s,) in con.execute(
+            "SELECT step FROM metrics WHERE run_uuid = ? AND key = 'x'", (run_id,))}
+        versions = con.execute("SELECT count(*) FROM model_versions").fetchone()[0]
+    assert (steps, versions) == (set(range(5)), 1)
