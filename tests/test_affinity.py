@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from infra.affinity import child_pids, split_cores, training_cores
+from infra.affinity import child_pids, claimed_cores, split_cores, training_cores
 
 
 def test_the_training_process_takes_the_first_cores_and_leaves_at_least_one():
@@ -19,6 +19,13 @@ def test_the_training_process_takes_the_first_cores_and_leaves_at_least_one():
     assert split_cores([3, 5, 7], 1) == ({3}, {5, 7})
     assert split_cores([0], 1) is None  # nothing left for the rollout side: no pinning
     assert split_cores([0, 1], 2) is None
+
+
+def test_a_second_run_takes_a_free_core_and_keeps_its_children_off_the_taken_ones():
+    assert split_cores([0, 1], 1, taken={0}) == ({1}, {0})  # nothing else left: shared
+    assert split_cores(range(4), 1, taken={0}) == ({1}, {2, 3})
+    assert split_cores(range(4), 2, taken={1}) == ({0, 2}, {3})
+    assert split_cores([0, 1], 1, taken={0, 1}) is None  # no free core: no pinning
 
 
 def _cores(pid: int) -> set[int]:
@@ -91,3 +98,37 @@ def test_a_run_started_from_python_trains_with_the_runs_torch_threads(tmp_path):
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [1, 1]
+
+
+HOLD_CORE = """
+import sys
+from infra.affinity import claimed_cores
+with claimed_cores([0, 1, 2], 1) as split:
+    print(sorted(split[0]), flush=True)
+    sys.stdin.read()  # held until the test closes stdin
+"""
+
+
+def test_claimed_cores_are_held_until_released_or_the_process_ends(tmp_path, monkeypatch):
+    """Cores as two runs on one machine see them (lock files in a folder of the test's own, not
+    this machine's real cores)."""
+    from infra.affinity import LOCK_DIR_ENV
+    from tests.conftest import REPO
+
+    monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path))
+    other = subprocess.Popen([sys.executable, "-c", HOLD_CORE], cwd=REPO, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert json.loads(other.stdout.readline()) == [0]
+        with claimed_cores([0, 1, 2], 1) as split:
+            assert split == ({1}, {2})
+            with claimed_cores([0, 1, 2], 1) as third:  # a third run: core 2, children shared
+                assert third == ({2}, {0, 1})
+        other.kill()  # a run that dies lets its core go
+        other.wait(timeout=30)
+        with claimed_cores([0, 1, 2], 1) as split:
+            assert split == ({0}, {1, 2})
+    finally:
+        other.kill()
+        other.wait(timeout=30)
