@@ -154,7 +154,10 @@ def _base_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     return tiny_model(run_dir / "base_model", cfg.model.tiny, seed=cfg.seed)
 
 
-def _make_engine(cfg: RunConfig, model_dir: Path, tokenizer, version: int) -> RolloutEngine:
+def _make_engine(cfg: RunConfig, model_dir: Path, tokenizer, version: int,
+                 run_dir: Path | None = None) -> RolloutEngine:
+    """The run's rollout engine (over Ray's actors with a cluster); an SGLang engine's server
+    logs go to ``run_dir``/logs unless ``rollout.sglang.log_dir`` says where."""
     if cfg.rollout.engine == "torch":
         from rollout.torch_engine import TorchEngine
 
@@ -165,7 +168,8 @@ def _make_engine(cfg: RunConfig, model_dir: Path, tokenizer, version: int) -> Ro
     else:
         from rollout.sglang import SGLangEngine
 
-        build = partial(SGLangEngine.from_config, cfg, str(model_dir), weight_version=version)
+        build = partial(SGLangEngine.from_config, cfg, str(model_dir), weight_version=version,
+                        log_dir=run_dir / "logs" if run_dir is not None else None)
     if cfg.cluster.ray_address is None:
         return build()
     from rollout.ray_engines import make_engine_pool
@@ -269,7 +273,7 @@ def _open(cfg: RunConfig, run_id: str, resume: bool, home: Path, lake: Lake,
                                reference_dir=rt.checkpoint_dir(0))
     if model_dir != base:
         rt.trainer.load(str(model_dir))
-    rt.engine = _make_engine(cfg, model_dir, tokenizer, start_version)
+    rt.engine = _make_engine(cfg, model_dir, tokenizer, start_version, run_dir)
     return rt
 
 

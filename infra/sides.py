@@ -117,7 +117,7 @@ def open_rollout_side(cfg: RunConfig, run_id: str, version: int) -> RolloutSide:
     tokenizer = load_tokenizer(model_dir)
     dataset, _ = load_run_data(cfg, tokenizer)
     lake = Lake(cfg.resolved_lake_uri, cfg.storage_options or None)
-    side = RolloutSide(cfg, run_id, lake, _make_engine(cfg, model_dir, tokenizer, version),
+    side = RolloutSide(cfg, run_id, lake, _make_engine(cfg, model_dir, tokenizer, version, run_dir),
                        tokenizer, dataset)
     side.reward_fn, side.rollout = Scorer.from_config(cfg), Rollout(cfg)  # evals: training side
     side.next_batch, side.data_position = resume_position(lake, run_id,

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from functools import cache
+from pathlib import Path
 
 import pytest
 import torch
@@ -183,10 +185,20 @@ def test_abort_surplus_requests(engine, calls_of_two):
     assert all(r.finish_reason != "abort" for r in before + after)
 
 
-def test_router_and_given_urls(engine, ckpts):
-    """A second engine connecting to the running servers by URL, through an sglang-router."""
-    cfg = SGLangConfig(urls=engine.urls, router=True, log_dir=engine.config.log_dir)
-    other = SGLangEngine(ckpts["a"], cfg, weight_version=4)
+def test_router_and_given_urls(engine, ckpts, tmp_path):
+    """A second engine connecting to the running servers by URL, through an sglang-router; its
+    router's log goes where the run says (a run's engine: its folder's logs/). An engine with
+    servers given by URL and no router starts nothing that logs: it leaves no temporary folder."""
+    def temporary_log_folders() -> set[str]:
+        return {p.name for p in Path(tempfile.gettempdir()).glob("rlake-sglang-*")}
+    before = temporary_log_folders()
+    plain = SGLangEngine.from_config({"urls": engine.urls}, ckpts["a"], 4)
+    assert plain.generate(PROMPTS[:2], SamplingParams(max_new_tokens=2))
+    plain.shutdown()
+    assert temporary_log_folders() == before
+    other = SGLangEngine.from_config({"urls": engine.urls, "router": True}, ckpts["a"], 4,
+                                     log_dir=tmp_path / "logs")
+    assert (tmp_path / "logs" / "router.log").is_file()
     try:
         results = other.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0))
         assert {r.meta["server"] for r in results} == {other.router_url}

@@ -15,6 +15,7 @@ version), and the requests it lost are re-issued, so the batch completes.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import tempfile
@@ -23,7 +24,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -153,8 +154,10 @@ class SGLangEngine:
         self.router = None
         self.router_url: str | None = None
         self.stats = {"restarts": 0, "reissued": 0, "request_failures": 0}
-        self.log_dir = Path(self.config.log_dir or tempfile.mkdtemp(prefix="rlake-sglang-"))
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        # the servers' logs: rollout.sglang.log_dir (a run's engine: its run folder's logs/), or
+        # a temporary folder made when a server or router starts, removed at shutdown if empty
+        self._log_dir = Path(self.config.log_dir) if self.config.log_dir else None
+        self._own_log_dir = False
         self.workers: list[Worker] = []
         self._closed = False
         atexit.register(self.shutdown)
@@ -172,9 +175,22 @@ class SGLangEngine:
             t.start()
 
     @classmethod
-    def from_config(cls, cfg: Any, model_dir: str | Path, weight_version: int = 0) -> SGLangEngine:
-        """Build from the run config (its ``rollout.sglang`` section, or that section itself)."""
-        return cls(model_dir, SGLangConfig.from_mapping(section(cfg)), weight_version)
+    def from_config(cls, cfg: Any, model_dir: str | Path, weight_version: int = 0,
+                    log_dir: str | Path | None = None) -> SGLangEngine:
+        """Build from the run config (its ``rollout.sglang`` section, or that section itself);
+        ``log_dir``: the servers' logs where the section names none."""
+        config = SGLangConfig.from_mapping(section(cfg))
+        if config.log_dir is None and log_dir is not None:
+            config = replace(config, log_dir=str(log_dir))
+        return cls(model_dir, config, weight_version)
+
+    @property
+    def log_dir(self) -> Path:
+        """Where the servers' and the router's logs go (made on first use)."""
+        if self._log_dir is None:
+            self._log_dir, self._own_log_dir = Path(tempfile.mkdtemp(prefix="rlake-sglang-")), True
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        return self._log_dir
 
     # ----------------------------------------------------------------- lifecycle
     def _start_workers(self) -> None:
@@ -227,6 +243,9 @@ class SGLangEngine:
             with ThreadPoolExecutor(max_workers=len(procs)) as pool:
                 list(pool.map(lambda p: p.stop(), procs))
         self.http.close()
+        if self._own_log_dir:  # a temporary folder nobody wrote to (servers given by url)
+            with contextlib.suppress(OSError):
+                self._log_dir.rmdir()
         atexit.unregister(self.shutdown)
 
     def __enter__(self) -> SGLangEngine:
