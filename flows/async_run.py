@@ -88,15 +88,13 @@ class RolloutProcess:
         self.in_lake = set(batches_in_lake(rt.lake, rt.run_id))  # a resume finds some
         self.sent: dict[int, tuple[dict[str, float], pa.Table]] = {}
         self.landed: dict[int, int | None] = {}
-        self.proc = None
+        self.spawned: SpawnedProcess | None = None  # the rollout process, once started
 
     def start(self, api_url: str | None) -> RolloutProcess:
         """Run the rollout side in the process spawned when the runtime opened (it has
         imported torch and the lake meanwhile: infra/spawned.py), or in one spawned now."""
         spawned = self.rt.spawned or SpawnedProcess(self.rt.cfg.home, self.rt.cfg.torch_threads)
-        self.rt.spawned = None  # this handle stops it from now on
-        self.proc, self.inbox, self.outbox, self._spawned = (
-            spawned.proc, spawned.inbox, spawned.outbox, spawned)
+        self.rt.spawned, self.spawned = None, spawned  # this handle stops it from now on
         spawned.run("flows.rollout_side:rollout_process_main", {
             "config": self.rt.cfg.model_dump(), "run_id": self.rt.run_id,
             "version": self.rt.trainer.weight_version, "parent_pid": os.getpid(),
@@ -109,18 +107,18 @@ class RolloutProcess:
         once it succeeded, from the thread that ran it (never, if it failed: the run fails)."""
         message = ("weights", version, pack_weights(in_process_weights_of(self.rt)))
         if after is None:
-            self.inbox.put(message)
+            self.spawned.inbox.put(message)
         else:
             after.add_done_callback(
-                lambda done: self.inbox.put(message) if done.exception() is None else None)
+                lambda done: self.spawned.inbox.put(message) if done.exception() is None else None)
 
     def _receive(self, timeout: float) -> None:
         try:
-            message = self.outbox.get(timeout=timeout)
+            message = self.spawned.outbox.get(timeout=timeout)
         except queue.Empty:
-            if not self.proc.is_alive():
+            if not self.spawned.proc.is_alive():
                 raise RuntimeError(f"run {self.rt.run_id}: the rollout process exited "
-                                   f"(code {self.proc.exitcode}); `rlake resume` continues") from None
+                                   f"(code {self.spawned.proc.exitcode}); `rlake resume` continues") from None
             return
         if message[0] == "error":
             raise RuntimeError(f"run {self.rt.run_id}: the rollout side failed:\n{message[1]}")
@@ -158,10 +156,9 @@ class RolloutProcess:
         return rollout_stats_from_commit(info) or {}
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        self._spawned.stop()
-        self.proc = None
+        if self.spawned is not None:
+            self.spawned.stop()
+            self.spawned = None
 
 
 def in_process_weights_of(rt: Runtime) -> dict:

@@ -199,7 +199,7 @@ def close_runtime(rt: Runtime) -> None:
                 scorer.close()
         if hasattr(rt.tracker, "close"):  # the MLflow helper process (infra.tracker_process)
             rt.tracker.close()
-        if getattr(rt, "spawned", None) is not None:  # async mode's, never started (a failure)
+        if rt.spawned is not None:  # async mode's rollout process, never started (a failure)
             rt.spawned.stop()
             rt.spawned = None
         RUNTIMES.pop(rt.run_id, None)

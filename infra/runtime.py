@@ -241,7 +241,7 @@ def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False
     # and async mode's rollout process imports while the run starts (infra/spawned.py)
     spawned = SpawnedProcess(home, cfg.torch_threads) if cfg.mode == "async" and not replay else None
     try:
-        rt = _open(cfg, run_id, resume, home, lake, tracker, row if resume else None)
+        rt = _open(cfg, run_id, resume, home, run_dir, lake, tracker, row if resume else None)
     except BaseException:
         if spawned is not None:
             spawned.stop()
@@ -252,9 +252,8 @@ def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False
     return rt
 
 
-def _open(cfg: RunConfig, run_id: str, resume: bool, home: Path, lake: Lake,
+def _open(cfg: RunConfig, run_id: str, resume: bool, home: Path, run_dir: Path, lake: Lake,
           tracker: TrackerProcess, row: dict | None) -> Runtime:
-    run_dir = home / "runs" / run_id
     base = _base_model_dir(cfg, run_dir)
     tokenizer = load_tokenizer(base)
     dataset, held_out = _task_data(cfg, tokenizer)

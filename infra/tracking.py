@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import os
 import queue
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -76,35 +77,29 @@ def sqlite_commits_without_fsync() -> None:
     metrics, its model version): that was 10-15 fsyncs an iteration, on the tracker's core.
     Only a home's tracking database (``tracking_db``), not the cache's template copied into
     new homes; one another process is writing at that moment keeps its mode."""
-    global _FSYNC_OFF
-    if _FSYNC_OFF:
-        return
-    import sqlite3
-
     from sqlalchemy import event
     from sqlalchemy.engine import Engine
 
-    def on_connect(dbapi_connection, _record) -> None:
-        if not isinstance(dbapi_connection, sqlite3.Connection):
+    if not event.contains(Engine, "connect", _wal_on_connect):
+        event.listen(Engine, "connect", _wal_on_connect)
+
+
+def _wal_on_connect(dbapi_connection, _record) -> None:
+    """SQLAlchemy's connect hook of ``sqlite_commits_without_fsync``."""
+    if not isinstance(dbapi_connection, sqlite3.Connection):
+        return
+    cursor = dbapi_connection.cursor()
+    try:
+        files = [row[2] for row in cursor.execute("PRAGMA database_list") if row[1] == "main"]
+        if not files or not files[0].endswith(str(Path("mlflow") / "mlflow.db")):
             return
-        cursor = dbapi_connection.cursor()
-        try:
-            files = [row[2] for row in cursor.execute("PRAGMA database_list") if row[1] == "main"]
-            if not files or not files[0].endswith(str(Path("mlflow") / "mlflow.db")):
-                return
-            if cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
-                cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA synchronous=NORMAL")
-        except sqlite3.OperationalError:  # locked by another process: its mode stays
-            pass
-        finally:
-            cursor.close()
-
-    event.listen(Engine, "connect", on_connect)
-    _FSYNC_OFF = True
-
-
-_FSYNC_OFF = False
+        if cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+            cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+    except sqlite3.OperationalError:  # locked by another process: its mode stays
+        pass
+    finally:
+        cursor.close()
 
 
 class _Sender:

@@ -15,7 +15,6 @@ version), and the requests it lost are re-issued, so the batch completes.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import math
 import tempfile
@@ -155,9 +154,8 @@ class SGLangEngine:
         self.router_url: str | None = None
         self.stats = {"restarts": 0, "reissued": 0, "request_failures": 0}
         # the servers' logs: rollout.sglang.log_dir (a run's engine: its run folder's logs/), or
-        # a temporary folder made when a server or router starts, removed at shutdown if empty
+        # a temporary folder made only when a server or router starts (``log_dir``)
         self._log_dir = Path(self.config.log_dir) if self.config.log_dir else None
-        self._own_log_dir = False
         self.workers: list[Worker] = []
         self._closed = False
         atexit.register(self.shutdown)
@@ -188,7 +186,7 @@ class SGLangEngine:
     def log_dir(self) -> Path:
         """Where the servers' and the router's logs go (made on first use)."""
         if self._log_dir is None:
-            self._log_dir, self._own_log_dir = Path(tempfile.mkdtemp(prefix="rlake-sglang-")), True
+            self._log_dir = Path(tempfile.mkdtemp(prefix="rlake-sglang-"))
         self._log_dir.mkdir(parents=True, exist_ok=True)
         return self._log_dir
 
@@ -243,9 +241,6 @@ class SGLangEngine:
             with ThreadPoolExecutor(max_workers=len(procs)) as pool:
                 list(pool.map(lambda p: p.stop(), procs))
         self.http.close()
-        if self._own_log_dir:  # a temporary folder nobody wrote to (servers given by url)
-            with contextlib.suppress(OSError):
-                self._log_dir.rmdir()
         atexit.unregister(self.shutdown)
 
     def __enter__(self) -> SGLangEngine:
