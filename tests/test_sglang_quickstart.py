@@ -41,3 +41,5 @@ def test_sglang_engine_learns_the_quickstart_task(tmp_path, cli, warm_model):
     # ... without a checkpoint per version: v0, every 20th and the last only
     saved = saved_versions(tmp_path / "runs" / "sglang" / "checkpoints")
     assert saved[-1] == ITERATIONS and all(v % 20 == 0 for v in saved), saved
+    # the server's log is in the run's folder (rollout.sglang.log_dir unset), where a user looks
+    assert (tmp_path / "runs" / "sglang" / "logs" / "sglang-0.log").stat().st_size > 0
