@@ -18,13 +18,13 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.scratch import scratch_dir  # noqa: E402
 from infra.env import configure_environment  # noqa: E402
 
 
@@ -101,9 +101,9 @@ def main() -> None:
                         help="the job (default: the quickstart; configs/gpu.yaml on a GPU)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         help="config override for every run, e.g. rollout.rollout_batch_size=16")
-    parser.add_argument("--home", type=Path, help="state folder (default: a new temporary one)")
+    parser.add_argument("--home", type=Path, help="state folder, kept (default: a temporary one, removed at the end)")
     args = parser.parse_args()
-    home = (args.home or Path(tempfile.mkdtemp(prefix="rlake-bench-async-"))).resolve()
+    home = Path(args.home or scratch_dir("rlake-bench-async-")).resolve()
     configure_environment(home)
     checkpoint = args.checkpoint or warm_checkpoint(args.config, home / "warmup",
                                                     args.overrides)

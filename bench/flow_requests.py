@@ -24,7 +24,6 @@ import json
 import re
 import statistics
 import sys
-import tempfile
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -33,6 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.scratch import scratch_dir  # noqa: E402
 
 _ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
@@ -149,7 +150,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=6)
     args = parser.parse_args()
-    spans, states, writing = iteration_requests(tempfile.mkdtemp(prefix="rlake-requests-"), args.iterations)
+    spans, states, writing = iteration_requests(scratch_dir("rlake-requests-"), args.iterations)
     for line, n in sorted(spans[-1]["lines"].items()):
         print(f"{n:3d}  {line}")
     out = {"bench": "flow_requests", "iterations": args.iterations,

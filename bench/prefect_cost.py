@@ -19,11 +19,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.scratch import scratch_dir  # noqa: E402
 
 CONFIGS: dict[str, dict[str, str]] = {
     # infra/env.py's OFFLINE_ENV before async mode's change
@@ -71,7 +72,7 @@ def measure(iterations: int) -> list[float]:
 def run_config(name: str, iterations: int) -> list[float]:
     from infra.env import OFFLINE_ENV
 
-    home = tempfile.mkdtemp(prefix=f"rlake-prefect-{name}-")
+    home = scratch_dir(f"rlake-prefect-{name}-")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update({**OFFLINE_ENV, **CONFIGS[name], "PREFECT_HOME": f"{home}/prefect",
                 "PYTHONPATH": str(ROOT), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "600"})

@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.scratch import scratch_dir  # noqa: E402
 from infra.env import configure_environment  # noqa: E402
 
 # commit_wait: a sync iteration waiting for the previous one's commit, which ran behind while
@@ -77,7 +78,7 @@ def iteration_split(iterations: int, overrides: list[str] = ()) -> dict:
     from flows.rl import rl_run, set_reporter
     from infra.config import load_config
 
-    home = tempfile.mkdtemp(prefix="rlake-bench-")
+    home = scratch_dir("rlake-bench-")
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml",
                       [f"home={home}", f"num_rollout={iterations}", "sft.steps=20",
                        f"eval.eval_interval={iterations + 1}", *overrides])
@@ -110,7 +111,7 @@ def main() -> None:
     parser.add_argument("--no-generation", action="store_true",
                         help="skip the engine vs HF generate comparison")
     args = parser.parse_args()
-    configure_environment(tempfile.mkdtemp(prefix="rlake-bench-env-"))
+    configure_environment(scratch_dir("rlake-bench-env-"))
     gen = {} if args.no_generation else engine_vs_generate()
     if gen:
         print(f"torch engine: {gen['engine_tokens_per_s']:.0f} tok/s, HF generate: "
