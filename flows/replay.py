@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 from prefect import flow, tags
@@ -28,13 +29,14 @@ from prefect.settings import temporary_settings
 from prefect.utilities.annotations import quote
 
 from flows.durability import owned_run, register_version, start_or_recover
-from flows.rl import FAST_FLOW_SETTINGS, _flat_params, has_eval, sft_warmup
-from flows.steps import eval_due, phase, train_and_commit
+from flows.rl import FAST_FLOW_SETTINGS, _flat_params, current_reporter, has_eval, sft_warmup
+from flows.steps import eval_due, phase, run_iterations, train_and_commit
 from infra.checkpoints import rebuild_chain, resume_checkpoint, saved_versions
 from infra.config import config_from_dict
 from infra.faults import set_iteration
 from infra.recovery import run_tag
 from infra.runtime import RUNTIMES, Runtime, new_run_id, open_runtime
+from infra.startup import open_lake, refuse_existing
 from rewards.registry import Scorer
 from rollout.sample import Sample, Status
 from tasks.eval import evaluate
@@ -73,10 +75,12 @@ def source_samples(rows: list[dict], source_run: str) -> list[Sample]:
     return out
 
 
-@flow(name="replay_iteration")
-def replay_iteration(run_id: str, iteration: int, samples: list[Sample], rescore: bool,
-                     total: int | None = None) -> dict:
-    rt = RUNTIMES[run_id]
+def replay_step(rt: Runtime, iteration: int, samples: list[Sample], rescore: bool,
+                total: int) -> dict[str, float]:
+    """One replay iteration (the module docstring's loop body): ``samples`` (the source's
+    iteration, rebuilt by ``source_samples``) rescored if asked, written under this run, trained
+    on and committed; evaluated every ``eval_interval``."""
+    start = time.perf_counter()
     timings: dict[str, float] = {"generate": 0.0}
     set_iteration(iteration)
     rt.seed_iteration(iteration)
@@ -93,6 +97,8 @@ def replay_iteration(run_id: str, iteration: int, samples: list[Sample], rescore
     stats = {**rollout_metrics(samples, 0.0), "rollout/failed": float(failed)}
     metrics = train_and_commit(rt, iteration, base_version, stats, timings, read_slice=read_replay_slice,
                                total=total)
+    timings["total"] = time.perf_counter() - start
+    metrics.update({f"time/{k}": v for k, v in timings.items()})
     if (iteration + 1) % rt.cfg.eval.eval_interval == 0:
         metrics["eval/accuracy"] = evaluate(rt, iteration + 1)["accuracy"]
     return metrics
@@ -151,8 +157,15 @@ def rl_replay(source_run: str, config: dict, run_id: str | None = None, iteratio
     with temporary_settings(updates=FAST_FLOW_SETTINGS):
         cfg = config_from_dict(config)
         run_id = run_id or new_run_id()
-        rt = open_runtime(cfg, run_id, resume=resume, replay=resume)
+        # the CLI opens the runtime (``infra.startup.prepared_replay``, which refuses a run id
+        # in use) before the first flow, while Prefect's server starts
+        rt = RUNTIMES.get(run_id)
+        if rt is None:
+            if not resume:  # a replay under the source's (or any run's) id would overwrite it
+                refuse_existing(open_lake(cfg), cfg, run_id)
+            rt = open_runtime(cfg, run_id, resume=resume, replay=True)
         with owned_run(rt):
+            rt.reporter = current_reporter()
             if rescore:  # an rm_type name, or a module:function path
                 rt.reward_fn = rescorer(rt.cfg, rescore)
             rt.tracker.start(run_id, params=_flat_params(rt.cfg),
@@ -180,7 +193,10 @@ def rl_replay(source_run: str, config: dict, run_id: str | None = None, iteratio
 
 def replay_iterations(rt: Runtime, source_run: str, iterations: str | None, rescore: bool) -> int:
     """Replay source iterations A..B-1 as this run's iterations 0.., from ``rt.start_iteration``
-    on (0 unless resumed); evaluate at the start, every eval_interval and at the end."""
+    on (0 unless resumed); evaluate at the start, every eval_interval and at the end. Each is a
+    ``replay_iteration`` flow run whose parameters name it (run, iteration, source iteration):
+    its samples reach it in memory, they are in the lake (as Prefect parameters they were
+    ~190 KB per flow run of the quickstart, in Prefect's database)."""
     first, stop = parse_iterations(iterations)
     source = read_source_trajectories(rt, source_run, first, stop).to_pylist()
     if not source:
@@ -189,20 +205,31 @@ def replay_iterations(rt: Runtime, source_run: str, iterations: str | None, resc
     by_iter: dict[int, list[dict]] = {}
     for r in source:
         by_iter.setdefault(r["iteration"], []).append(r)
+    order = sorted(by_iter)
     if rt.start_iteration == 0 and not rt.checkpoint_dir(0).exists():
-        base = min(r["weight_version"] for r in by_iter[min(by_iter)])
+        base = min(r["weight_version"] for r in by_iter[order[0]])
         rt.tracker.set_tags({"rlake.replay_start": _start_policy(rt, source_run, base)})
         register_version(rt, 0, None, None, 0)
-    if eval_due(rt, rt.start_iteration, len(by_iter)) and not has_eval(rt, rt.trainer.weight_version):
-        evaluate(rt, rt.start_iteration)
-    for j, it in enumerate(sorted(by_iter)):
-        if j >= rt.start_iteration:
-            samples = source_samples(by_iter[it], source_run)
-            metrics = replay_iteration(rt.run_id, j, quote(samples), rescore, total=len(by_iter))
-            rt.report("iteration", {"iteration": j, **metrics})
+    if eval_due(rt, rt.start_iteration, len(order)) and not has_eval(rt, rt.trainer.weight_version):
+        _report_eval(rt, rt.start_iteration)
+    rt.report("rl_start", {"start": rt.start_iteration, "total": len(order)})
+
+    @flow(name="replay_iteration", validate_parameters=False)  # rlake passes them itself
+    def replay_iteration(run_id: str, iteration: int, source_iteration: int) -> dict[str, float]:
+        samples = source_samples(by_iter[source_iteration], source_run)
+        return replay_step(rt, iteration, samples, rescore, total=len(order))
+
+    def parameters(j: int) -> dict:
+        return {"run_id": rt.run_id, "iteration": j, "source_iteration": order[j]}
+
+    run_iterations(rt, replay_iteration, rt.report, stop=len(order), parameters=parameters)
     if not has_eval(rt, rt.trainer.weight_version):
-        evaluate(rt, len(by_iter))
-    return len(by_iter)
+        _report_eval(rt, len(order))
+    return len(order)
+
+
+def _report_eval(rt: Runtime, iteration: int) -> None:
+    rt.report("eval", {"iteration": iteration, "accuracy": evaluate(rt, iteration)["accuracy"]})
 
 
 def rescorer(cfg, rescore: str) -> Scorer:

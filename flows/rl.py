@@ -137,6 +137,11 @@ def set_reporter(reporter) -> None:
     _REPORTER = reporter
 
 
+def current_reporter():
+    """The callable ``set_reporter`` gave (runs and replays report to it), or None."""
+    return _REPORTER
+
+
 def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
     # the CLI opens the runtime before the first flow, while Prefect's server starts
     rt = RUNTIMES.get(run_id) or open_runtime(cfg, run_id, resume)

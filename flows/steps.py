@@ -133,21 +133,24 @@ def eval_due(rt: Runtime, done: int, total: int) -> bool:
 
 def run_iterations(rt: Runtime, iteration_flow, reporter: Callable[[str, dict], None],
                    extra_tags: Callable[[int], set[str] | None] = lambda _: None,
-                   nested: bool = True) -> None:
-    """Iterations ``rt.start_iteration .. num_rollout - 1``, one ``iteration_flow`` run each
-    (parameters ``run_id``, ``iteration``; tagged ``extra_tags(i)``; subflows of the calling flow
-    run, or top-level runs with its tags when not ``nested``), the next ones' runs created while
-    iteration i runs (flows/prefetch.py). An iteration's Completed goes to Prefect once its
-    commit (maybe behind) has landed; on an error, what trained is committed first."""
-    def parameters(i: int) -> dict:
-        return {"run_id": rt.run_id, "iteration": i}
+                   nested: bool = True, stop: int | None = None,
+                   parameters: Callable[[int], dict] | None = None) -> None:
+    """Iterations ``rt.start_iteration .. stop - 1`` (default ``num_rollout``), one
+    ``iteration_flow`` run each (parameters ``parameters(i)``, default ``run_id`` and
+    ``iteration``; tagged ``extra_tags(i)``; subflows of the calling flow run, or top-level runs
+    with its tags when not ``nested``), the next ones' runs created while iteration i runs
+    (flows/prefetch.py). An iteration's Completed goes to Prefect once its commit (maybe
+    behind) has landed; on an error, what trained is committed first."""
+    stop = rt.cfg.num_rollout if stop is None else stop
+    if parameters is None:
+        def parameters(i: int) -> dict:
+            return {"run_id": rt.run_id, "iteration": i}
 
     with IterationRuns(iteration_flow, hold=lambda: rt.pending_commit, nested=nested) as runs:
         try:
-            for iteration in range(rt.start_iteration, rt.cfg.num_rollout):
+            for iteration in range(rt.start_iteration, stop):
                 metrics = runs.run(parameters(iteration), extra_tags(iteration),
-                                   upcoming=ahead(iteration, rt.cfg.num_rollout, parameters,
-                                                  extra_tags))
+                                   upcoming=ahead(iteration, stop, parameters, extra_tags))
                 reporter("iteration", {"iteration": iteration, **metrics})
                 check_rewards(rt, iteration, metrics)
         except BaseException:

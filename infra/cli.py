@@ -29,12 +29,6 @@ def main_options(debug: Annotated[bool, typer.Option("--debug", help="show trace
     STATE["debug"] = debug
 
 
-def _prepare(home: str, threads: int = 1) -> None:
-    from infra.env import configure_environment
-
-    configure_environment(home, threads)
-
-
 @app.command()
 def run(config: Annotated[Path | None, typer.Argument(help="YAML config")] = None,
         set_: Annotated[list[str] | None, typer.Option("--set", help="override: key.sub=value")] = None,
@@ -60,8 +54,7 @@ def resume(run_id: str, home: HomeOpt = "./rlake-home",
     if row.get("replay_of"):
         from infra.ops_cli import resume_replay
 
-        _prepare(cfg.home, cfg.torch_threads)
-        return resume_replay(row, cfg.home)
+        return resume_replay(row, cfg.home, debug=STATE["debug"])
     from infra.progress import run_with_progress
 
     summary = run_with_progress(cfg, run_id, resume=True, console=console, debug=STATE["debug"])
@@ -79,7 +72,7 @@ def status(run_id: Annotated[str | None, typer.Argument()] = None, home: HomeOpt
 
 from infra.ops_cli import register as _register_ops  # noqa: E402 - replay, lineage, report, deploy, serve
 
-_register_ops(app)
+_register_ops(app, debug=lambda: STATE["debug"])
 
 
 def _print_summary(summary: dict) -> None:

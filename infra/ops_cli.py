@@ -7,6 +7,7 @@ registers on the app it runs).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -50,7 +51,9 @@ def _lake(home: str, lake_uri: str | None):
     return Lake(lake_uri or str(Path(home) / "lake"))
 
 
-def register(app: typer.Typer) -> None:  # noqa: C901 - one nested function per command
+def register(app: typer.Typer, debug: Callable[[], bool] = lambda: False) -> None:  # noqa: C901 - one nested function per command
+    """``debug()``: whether ``--debug`` was given (tracebacks on the console)."""
+
     @app.command()
     def replay(source_run: str, home: HomeOpt = "./rlake-home",
                iterations: Annotated[str | None, typer.Option("--iterations", help="A:B (B exclusive)")] = None,
@@ -64,14 +67,13 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - one nested function per 
         data = deep_merge(json.loads(row["config"]), _yaml_mapping(config))
         data = apply_overrides({**data, "home": home, "run_id": None}, set_ or [])
         cfg = config_from_dict(data)
-        from infra.env import configure_environment
+        from infra.progress import replay_with_progress
+        from infra.startup import new_run_id
 
-        configure_environment(cfg.home, cfg.torch_threads)
-        from flows.replay import rl_replay
-
-        console.print(f"[dim]replaying {source_run} (iterations {iterations or 'all'})[/]")
-        summary = rl_replay(source_run, cfg.model_dump(), run_id=run_id, iterations=iterations,
-                            rescore=rescore)
+        run_id = run_id or new_run_id()
+        console.print(f"[dim]replaying {source_run} (iterations {iterations or 'all'}) as run {run_id}[/]")
+        summary = replay_with_progress(cfg, source_run, run_id, iterations, rescore, resume=False,
+                                       console=console, debug=debug())
         print_replay_summary(summary)
 
     @app.command()
@@ -164,14 +166,15 @@ def print_replay_summary(summary: dict) -> None:
     console.print(f"  rlake report {summary['run_id']} --home {summary['home']} --out report.html")
 
 
-def resume_replay(row: dict, home: str) -> None:
+def resume_replay(row: dict, home: str, debug: bool = False) -> None:
     """``rlake resume`` of a replay run: the same source iterations and rescoring, continued
     from the last committed iteration (``runs.notes`` holds what the replay was asked)."""
-    from flows.replay import rl_replay
+    from infra.progress import replay_with_progress
 
     note = json.loads(row.get("notes") or "{}")
-    config = {**json.loads(row["config"]), "home": home}
+    cfg = config_from_dict({**json.loads(row["config"]), "home": home})
     console.print(f"[dim]resuming replay {row['run_id']} of {row['replay_of']}[/]")
-    summary = rl_replay(row["replay_of"], config, run_id=row["run_id"],
-                        iterations=note.get("iterations"), rescore=note.get("rescore"), resume=True)
+    summary = replay_with_progress(cfg, row["replay_of"], row["run_id"], note.get("iterations"),
+                                   note.get("rescore"), resume=True, console=console,
+                                   debug=debug)
     print_replay_summary(summary)

@@ -51,8 +51,10 @@ class RichReporter:
             if "eval/accuracy" in p:
                 self.__call__("eval", {"iteration": p["iteration"] + 1, "accuracy": p["eval/accuracy"]})
             acc = "" if self.last_acc is None else f" | acc {self.last_acc:.3f}"
+            # a replay generates nothing: no tokens/s
+            speed = f" | {p['rollout/tokens_per_s']:.0f} tok/s" if p.get("rollout/tokens_per_s") else ""
             info = (f"reward {p['rollout/reward_mean']:.3f}{acc} | kl {p.get('train/ppo_kl', 0):.4f}"
-                    f" | {p['rollout/tokens_per_s']:.0f} tok/s | {p['time/total']:.2f} s/it")
+                    f"{speed} | {p['time/total']:.2f} s/it")
             self.progress.update(self.rl_task, completed=p["iteration"] + 1, info=info)
 
 
@@ -93,6 +95,29 @@ def run_with_progress(cfg: RunConfig, run_id: str | None, resume: bool, console:
             summary = rl_run(cfg.model_dump(), run_id=run_id, resume=resume)
     summary["accuracy"] = accuracy_before_after(summary["lake_uri"], summary["run_id"], cfg)
     return summary
+
+
+def replay_with_progress(cfg: RunConfig, source_run: str, run_id: str, iterations: str | None,
+                         rescore: str | None, resume: bool, console: Console,
+                         debug: bool = False) -> dict:
+    """``rlake replay`` (or the resume of a replay run): as ``run_with_progress``, with
+    ``infra.startup.prepared_replay`` and ``flows.replay.rl_replay``."""
+    from infra.startup import prepared_replay
+
+    with prepared_replay(cfg, run_id, resume):
+        from prefect import tags
+
+        from flows.replay import rl_replay
+        from flows.rl import set_reporter
+        from infra.recovery import run_tag
+
+        if not debug:
+            quiet_prefect_errors()
+        reporter = RichReporter(console)
+        set_reporter(reporter)
+        with reporter.progress, tags(run_tag(run_id)):
+            return rl_replay(source_run, cfg.model_dump(), run_id=run_id, iterations=iterations,
+                             rescore=rescore, resume=resume)
 
 
 def accuracy_before_after(lake_uri: str, run_id: str, cfg: RunConfig) -> dict:

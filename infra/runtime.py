@@ -216,8 +216,9 @@ def _task_data(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, list[dict]]:
 
 def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False,
                  replay: bool = False) -> Runtime:
-    """Build (or, with ``resume``, restore from the lake + checkpoints) a run's runtime; a replay
-    run is only restored for ``flows.replay`` (``replay``), which never generates."""
+    """Build (or, with ``resume``, restore from the lake + checkpoints) a run's runtime.
+    ``replay``: the runtime of a replay (``flows.replay``), which never generates: no rollout
+    process; only such a runtime restores a replay run."""
     home = Path(cfg.home).resolve()
     lake = Lake(cfg.resolved_lake_uri, cfg.storage_options or None)
     if resume:

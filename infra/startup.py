@@ -22,7 +22,7 @@ import os
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -172,7 +172,6 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool) -> Iterator[s
     id with its runtime open (``infra.runtime.RUNTIMES``) and Prefect's server answering. On the
     way out the server is stopped and a runtime the pipeline never took is closed."""
     from infra.env import set_environment
-    from infra.prefect_server import EmbeddedServer, ServerWatch, run_server_liveness
     from infra.recovery import claim_run, release_run
 
     home = set_environment(cfg.home, cfg.torch_threads)
@@ -186,24 +185,68 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool) -> Iterator[s
         refuse_existing(lake, cfg, run_id)
     run_dir = home / "runs" / run_id
     claim_run(run_dir)  # a live owner from the start: `rlake status` does not call it interrupted
-    server = watch = None
     try:
         if not resume:
             record_run(lake, cfg, run_id)
             fault_point("after_run_recorded")
+
+        def open_pipeline() -> None:
+            from infra.runtime import open_runtime
+
+            try:
+                open_runtime(cfg, run_id, resume)
+            except BaseException:
+                if not resume:
+                    mark_failed(lake, run_id)
+                raise
+            import flows.rl  # noqa: F401 - Prefect's client side imports while its server starts
+
+        with prefect_served(cfg, run_id, open_pipeline):
+            yield run_id
+    finally:
+        release_run(run_dir)
+
+
+@contextmanager
+def prepared_replay(cfg: RunConfig, run_id: str, resume: bool) -> Iterator[str]:
+    """``prepared_run`` for a replay (``flows.replay.rl_replay``, which records its run row
+    itself): a new replay's id refused if a run holds it, the run folder claimed, the runtime
+    opened while Prefect's server starts, the server watched; yields the run id."""
+    from infra.env import set_environment
+    from infra.recovery import claim_run, release_run
+
+    home = set_environment(cfg.home, cfg.torch_threads)
+    if not resume:  # under the source's id (or any run's) it would overwrite that run
+        refuse_existing(open_lake(cfg), cfg, run_id)
+    run_dir = home / "runs" / run_id
+    claim_run(run_dir)
+    try:
+        def open_replay() -> None:
+            from infra.runtime import open_runtime
+
+            open_runtime(cfg, run_id, resume=resume, replay=True)
+            import flows.replay  # noqa: F401 - as prepared_run's flows.rl
+
+        with prefect_served(cfg, run_id, open_replay):
+            yield run_id
+    finally:
+        release_run(run_dir)
+
+
+@contextmanager
+def prefect_served(cfg: RunConfig, run_id: str, meanwhile: Callable[[], None]) -> Iterator[None]:
+    """Prefect's embedded server (``infra.prefect_server.EmbeddedServer``) started, then
+    ``meanwhile()`` (the slow part of startup) while it starts, then the server waited for and
+    watched while inside: if it ends under the run, the process ends (``server_lost``). On the
+    way out a runtime the flow never took is closed and the server stopped."""
+    from infra.env import configure_environment
+    from infra.prefect_server import EmbeddedServer, ServerWatch, run_server_liveness
+
+    server = watch = None
+    try:
         server = EmbeddedServer.start(cfg.home)
-        from infra.env import configure_environment
-        from infra.runtime import open_runtime
-
         configure_environment(cfg.home, cfg.torch_threads)
-        try:
-            open_runtime(cfg, run_id, resume)
-        except BaseException:
-            if not resume:
-                mark_failed(lake, run_id)
-            raise
-        import flows.rl  # noqa: F401 - Prefect's client side imports while its server starts
-
+        meanwhile()
         fault_point("before_first_flow")
         if server is not None:
             server.wait()
@@ -211,12 +254,11 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool) -> Iterator[s
         if liveness is not None:
             alive, what = liveness
             watch = ServerWatch(alive, lambda: server_lost(what, run_id, cfg))
-        yield run_id
+        yield
     finally:
         if watch is not None:
             watch.stop()
         _close_unused_runtime(run_id)
-        release_run(run_dir)
         if server is not None:
             _drain_prefect_clients()  # while the server still answers
             server.stop()

@@ -66,6 +66,46 @@ def test_replay_rescore(source):
     mrun = client.get_run(run["mlflow_run_id"])
     assert mrun.data.tags["rlake.replay_of"] == SOURCE and mrun.info.status == "FINISHED"
 
+    # each replayed iteration is a flow run named by its parameters; its samples (in the lake)
+    # are not parameters (they were: ~190 KB per flow run in Prefect's database)
+    assert [(r["parameters"], r["state"]) for r in _iteration_runs(url, "rep")] == [
+        ({"run_id": "rep", "iteration": j, "source_iteration": j + 1}, "COMPLETED") for j in (0, 1)]
+    text = log.read_text()  # the live display's lines
+    assert "eval after iteration 0: held-out accuracy" in text and "eval after iteration 2" in text
+
+
+def _iteration_runs(api_url: str, run_id: str) -> list[dict]:
+    """The ``replay_iteration`` flow runs tagged with ``run_id``, by iteration."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from infra.recovery import run_tag
+
+    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            tags=FlowRunFilterTags(all_=[run_tag(run_id)])))
+        names = {fid: client.read_flow(fid).name for fid in {r.flow_id for r in runs}}
+    found = [{"parameters": r.parameters, "state": r.state_type.value} for r in runs
+             if names[r.flow_id] == "replay_iteration"]
+    return sorted(found, key=lambda r: r["parameters"].get("iteration", -1))
+
+
+def test_a_replay_under_an_existing_run_id_is_refused_and_the_run_kept(source):
+    home, url = source
+    lake = Lake(str(home / "lake"))
+    before = lake.get_run(SOURCE)
+    steps = lake.read("train_steps", run_id=SOURCE).num_rows
+    log = home / "replay-same-id.log"
+    proc = rlake(["replay", SOURCE, "--home", str(home), "--run-id", SOURCE, "--iterations", "0:2"],
+                 cli_env(url), log)
+    assert proc.returncode == 1, tail(log)
+    assert f"run '{SOURCE}' already exists" in log.read_text()
+    after = Lake(str(home / "lake")).get_run(SOURCE)  # was: status failed, replay_of itself
+    assert (after["status"], after["replay_of"], after["updated_at"]) == (
+        before["status"], before["replay_of"], before["updated_at"])
+    assert lake.read("train_steps", run_id=SOURCE).num_rows == steps
+
 
 def test_replay_killed_then_resumed_equals_an_uninterrupted_replay(source):
     home, url = source
