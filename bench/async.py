@@ -29,13 +29,16 @@ from infra.env import configure_environment  # noqa: E402
 
 
 def warm_checkpoint(config: Path, home: Path, overrides: list[str]) -> Path:
-    """The config's SFT warm-up alone; returns its weight version 0."""
+    """The config's SFT warm-up alone (or the one ``home`` holds already); returns its weight
+    version 0."""
     from flows.rl import rl_run
     from infra.config import load_config
 
-    cfg = load_config(config, [f"home={home}", "num_rollout=0", *overrides])
-    rl_run(cfg.model_dump(), run_id="warmup")
-    return home / "runs" / "warmup" / "checkpoints" / "v000000"
+    checkpoint = home / "runs" / "warmup" / "checkpoints" / "v000000"
+    if not (checkpoint / "config.json").exists():
+        cfg = load_config(config, [f"home={home}", "num_rollout=0", *overrides])
+        rl_run(cfg.model_dump(), run_id="warmup")
+    return checkpoint
 
 
 def run_once(config: Path, home: Path, checkpoint: Path, mode: str, seed: int, iterations: int,
@@ -101,7 +104,7 @@ def main() -> None:
                         help="the job (default: the quickstart; configs/gpu.yaml on a GPU)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         help="config override for every run, e.g. rollout.rollout_batch_size=16")
-    parser.add_argument("--home", type=Path, help="state folder, kept (default: a temporary one, removed at the end)")
+    parser.add_argument("--home", type=Path, help="a new state folder, kept (default: a temporary one, removed at the end; a run id is never reused)")
     args = parser.parse_args()
     home = Path(args.home or scratch_dir("rlake-bench-async-")).resolve()
     configure_environment(home)

@@ -15,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from infra.recovery import prefect_servers
 from tests.opshelp import TINY, cli_env, rlake, tail
 
@@ -79,6 +81,17 @@ def test_existing_run_id_is_refused_before_anything_changes(tmp_path):
         (line,) = _error_lines(log)
         assert "run 'once' already exists (status completed)" in line
         assert f"rlake resume once --home {home}" in line
+    # from Python too (a script, a notebook): a new run or a replay under the id is refused
+    from flows.replay import rl_replay
+    from flows.rl import run_pipeline
+    from infra.config import config_from_dict
+    from infra.startup import StartupError
+
+    config = {**json.loads(row["config"]), "home": str(home)}
+    with pytest.raises(StartupError, match="run 'once' already exists"):
+        run_pipeline(config_from_dict(config), "once", resume=False)
+    with pytest.raises(StartupError, match="run 'once' already exists"):
+        rl_replay.fn("once", config, run_id="once")
     assert lake.get_run("once") == row, "the runs row changed"
     assert _digest(home / "runs" / "once" / "checkpoints") == checkpoints, "checkpoints changed"
     assert _mlflow_runs(home, "once") == mlflow_runs, "MLflow runs changed"
