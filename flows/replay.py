@@ -36,7 +36,7 @@ from infra.config import config_from_dict
 from infra.faults import set_iteration
 from infra.recovery import run_tag
 from infra.runtime import RUNTIMES, Runtime, new_run_id, open_runtime
-from infra.startup import open_lake, refuse_existing
+from infra.startup import open_lake, parse_iterations, refuse_existing
 from rewards.registry import Scorer
 from rollout.sample import Sample, Status
 from tasks.eval import evaluate
@@ -46,22 +46,6 @@ from tasks.replay import read_replay_slice, read_source_trajectories
 from tasks.rollout import score
 from tasks.train import publish_weights
 from trainers.metrics import rollout_metrics
-
-
-def parse_iterations(spec: str | None) -> tuple[int, int | None]:
-    """``"A:B"`` -> (A, B) with A inclusive, B exclusive (Python slice); ``"A:"`` -> (A, None);
-    ``"A"`` -> (A, A + 1); None -> (0, None)."""
-    if not spec:
-        return 0, None
-    first, sep, stop = spec.partition(":")
-    try:
-        a = int(first) if first.strip() else 0
-        b = (int(stop) if stop.strip() else None) if sep else a + 1
-    except ValueError:
-        raise ValueError(f"--iterations '{spec}' must look like A:B (e.g. 0:10)") from None
-    if a < 0 or (b is not None and b <= a):
-        raise ValueError(f"--iterations '{spec}': need 0 <= A < B")
-    return a, b
 
 
 def source_samples(rows: list[dict], source_run: str) -> list[Sample]:

@@ -142,6 +142,43 @@ def load_row(lake, cfg: RunConfig, run_id: str) -> dict:
     return row
 
 
+def parse_iterations(spec: str | None) -> tuple[int, int | None]:
+    """A replay's ``--iterations``: ``"A:B"`` -> (A, B) with A inclusive, B exclusive (Python
+    slice); ``"A:"`` -> (A, None); ``"A"`` -> (A, A + 1); None -> (0, None)."""
+    if not spec:
+        return 0, None
+    first, sep, stop = spec.partition(":")
+    try:
+        a = int(first) if first.strip() else 0
+        b = (int(stop) if stop.strip() else None) if sep else a + 1
+    except ValueError:
+        raise StartupError(f"--iterations '{spec}' must look like A:B (e.g. 0:10)") from None
+    if a < 0 or (b is not None and b <= a):
+        raise StartupError(f"--iterations '{spec}': need 0 <= A < B")
+    return a, b
+
+
+def check_replay(cfg: RunConfig, iterations: str | None, rescore: str | None) -> None:
+    """A replay's own arguments, before anything starts (a replay failing on them later left a
+    failed run behind): ``--iterations`` A:B, ``--rescore`` an ``rm_type`` or a loadable
+    ``module:function`` taking ``custom_rm_path``'s arguments."""
+    parse_iterations(iterations)
+    if not rescore:
+        return
+    from rewards.registry import resolve_rm_type
+    from rollout.functions import SIGNATURES, load_function
+
+    try:
+        if ":" in rescore:
+            load_function(rescore, len(SIGNATURES["custom_rm_path"]), "--rescore")
+        else:
+            resolve_rm_type(rescore, cfg.rollout.rm_url)
+    except ValueError as err:
+        message = str(err).replace("(or set custom_rm_path)", "(or a module:function)")
+        raise StartupError(message if message.startswith("--rescore") else
+                           f"--rescore '{rescore}': {message}") from None
+
+
 def record_run(lake, cfg: RunConfig, run_id: str) -> None:
     """The runs row, status running, before anything slow: from here a kill -9 leaves a run
     that ``rlake resume`` continues (it reads the config from this row)."""

@@ -104,6 +104,19 @@ def test_replay_config_errors_before_anything_starts(home, tmp_path):
         assert message in res.stderr and "Traceback" not in res.stderr
     res = rlake("replay", "nope", "--home", str(home))
     assert res.returncode == 1 and "no run 'nope'" in res.stderr
+    # a replay's own arguments too: no run of it is recorded (a bad --iterations left a failed one)
+    cases = ((["--iterations", "5:2"], "--iterations '5:2': need 0 <= A < B"),
+             (["--iterations", "x"], "--iterations 'x' must look like A:B"),
+             (["--rescore", "nosuch"], "--rescore 'nosuch': unknown rm_type 'nosuch'"),
+             (["--rescore", "nosuch_module:fn"], "--rescore 'nosuch_module:fn' cannot be loaded"),
+             (["--rescore", "tests.opshelp:tail"], "--rescore 'tests.opshelp:tail' must accept 2"))
+    runs = Lake(str(home / "lake")).read("runs").num_rows
+    for extra, message in cases:
+        res = rlake("replay", "r", "--home", str(home), "--run-id", "never", *extra)
+        assert res.returncode == 1, res.stdout
+        assert message in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert Lake(str(home / "lake")).read("runs").num_rows == runs
+    assert not (home / "runs" / "never").exists()
 
 
 def test_deploy_cron_validation(tmp_path):

@@ -13,11 +13,11 @@ import pytest
 
 from buffer import Lake
 from flows.deployments import save_spec
-from flows.replay import parse_iterations
 from infra.config import config_from_dict
 from infra.faults import parse_faults
 from infra.recovery import SERVER_SIGNATURE, claim_run, orphan_servers, pid_alive, stop_processes
 from infra.runtime import Runtime, iteration_seed, resume_point
+from infra.startup import parse_iterations
 from tests.opshelp import ROOT
 
 
