@@ -63,7 +63,7 @@ def replay_step(rt: Runtime, iteration: int, samples: list[Sample], rescore: boo
                 total: int) -> dict[str, float]:
     """One replay iteration (the module docstring's loop body): ``samples`` (the source's
     iteration, rebuilt by ``source_samples``) rescored if asked, written under this run, trained
-    on and committed; evaluated every ``eval_interval``."""
+    on and committed; evaluated every ``eval_interval`` and after the last of ``total``."""
     start = time.perf_counter()
     timings: dict[str, float] = {"generate": 0.0}
     set_iteration(iteration)
@@ -83,7 +83,7 @@ def replay_step(rt: Runtime, iteration: int, samples: list[Sample], rescore: boo
                                total=total)
     timings["total"] = time.perf_counter() - start
     metrics.update({f"time/{k}": v for k, v in timings.items()})
-    if (iteration + 1) % rt.cfg.eval.eval_interval == 0:
+    if eval_due(rt, iteration + 1, total):  # the last one too: its metrics carry the result
         metrics["eval/accuracy"] = evaluate(rt, iteration + 1)["accuracy"]
     return metrics
 
