@@ -74,8 +74,8 @@ def test_replay_rescore(source):
     assert "eval after iteration 0: held-out accuracy" in text and "eval after iteration 2" in text
 
 
-def _iteration_runs(api_url: str, run_id: str) -> list[dict]:
-    """The ``replay_iteration`` flow runs tagged with ``run_id``, by iteration."""
+def _flow_runs(api_url: str, run_id: str) -> list[dict]:
+    """The flow runs tagged with ``run_id``: flow name, parameters, state type."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -86,8 +86,13 @@ def _iteration_runs(api_url: str, run_id: str) -> list[dict]:
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             tags=FlowRunFilterTags(all_=[run_tag(run_id)])))
         names = {fid: client.read_flow(fid).name for fid in {r.flow_id for r in runs}}
-    found = [{"parameters": r.parameters, "state": r.state_type.value} for r in runs
-             if names[r.flow_id] == "replay_iteration"]
+    return [{"flow": names[r.flow_id], "parameters": r.parameters, "state": r.state_type.value}
+            for r in runs]
+
+
+def _iteration_runs(api_url: str, run_id: str) -> list[dict]:
+    """The ``replay_iteration`` flow runs tagged with ``run_id``, by iteration."""
+    found = [r for r in _flow_runs(api_url, run_id) if r["flow"] == "replay_iteration"]
     return sorted(found, key=lambda r: r["parameters"].get("iteration", -1))
 
 
@@ -121,6 +126,14 @@ def test_replay_killed_then_resumed_equals_an_uninterrupted_replay(source):
     done = rlake(["resume", "rep-crash", "--home", str(home)], cli_env(url), home / "rep-resume.log")
     assert done.returncode == 0, tail(home / "rep-resume.log")
     assert "resuming replay rep-crash" in (home / "rep-resume.log").read_text()
+    # in Prefect: the killed iteration Crashed, each iteration once Completed, and no run created
+    # ahead of the kill left Pending
+    states = sorted((r["flow"], r["parameters"].get("iteration"), r["state"])
+                    for r in _flow_runs(url, "rep-crash"))
+    assert [s for s in states if s[0] == "replay_iteration" and s[2] == "COMPLETED"] == [
+        ("replay_iteration", i, "COMPLETED") for i in range(3)], states
+    assert ("replay_iteration", 1, "CRASHED") in states, states
+    assert not [s for s in states if s[2] in ("PENDING", "RUNNING", "SCHEDULED")], states
 
     run = lake.get_run("rep-crash")
     assert (run["replay_of"], run["status"]) == (SOURCE, "completed")
