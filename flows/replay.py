@@ -102,7 +102,7 @@ def _start_policy(rt: Runtime, source_run: str, base: int) -> str:
     if rebuilt is not None:
         return rebuilt
     if rt.cfg.sft.enabled and rt.cfg.sft.steps > 0:
-        sft_warmup(rt.run_id)
+        sft_warmup(rt)
         return f"SFT warm-up (the source has no checkpoint of v{base} and it cannot be rebuilt)"
     publish_weights(rt, 0)
     return "base model"

@@ -63,20 +63,22 @@ from trainers.metrics import rollout_metrics
 FAST_FLOW_SETTINGS = {"flows.heartbeat_frequency": None}
 
 
-@flow(name="sft_warmup")
-def sft_warmup(run_id: str) -> dict[str, float]:
-    """Supervised warm-up (loss_type: sft) to a middling accuracy; publishes weight version 0."""
-    rt = RUNTIMES[run_id]
-    metrics = sft_train(rt)
-    publish_weights(rt, 0)
-    return metrics
+def sft_warmup(rt: Runtime) -> dict[str, float]:
+    """Supervised warm-up (loss_type: sft) to a middling accuracy; publishes weight version 0.
+    One ``sft_warmup`` flow run; the runtime reaches it by closure (a flow's parameters go to
+    the Prefect API, so only the run id is one)."""
+
+    @flow(name="sft_warmup")
+    def warmup(run_id: str) -> dict[str, float]:
+        metrics = sft_train(rt)
+        publish_weights(rt, 0)
+        return metrics
+
+    return warmup(rt.run_id)
 
 
-# rlake passes (run_id, iteration) itself: no pydantic model built per call to check them
-# (~0.75 ms of the training process's CPU an iteration)
-@flow(name="rl_iteration", validate_parameters=False)
-def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
-    rt = RUNTIMES[run_id]
+def sync_iteration(rt: Runtime, iteration: int) -> dict[str, float]:
+    """Sync mode's iteration ``iteration`` (the module docstring's ``rl_iteration``)."""
     timings: dict[str, float] = {}
     start = time.perf_counter()
     base_version = rt.trainer.weight_version
@@ -166,7 +168,7 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
                 if rt.start_iteration == 0 and not rt.checkpoint_dir(0).exists():
                     if rt.cfg.sft.enabled and rt.cfg.sft.steps > 0:
                         reporter("sft_start", {"steps": rt.cfg.sft.steps})
-                        sft_warmup(rt.run_id)
+                        sft_warmup(rt)
                     else:
                         publish_weights(rt, 0)
                     register_version(rt, 0, None, None, 0)
@@ -189,7 +191,15 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
 
 
 def run_sync(rt: Runtime, reporter) -> None:
-    """Iterations ``rt.start_iteration .. num_rollout - 1``, one ``rl_iteration`` flow run each."""
+    """Iterations ``rt.start_iteration .. num_rollout - 1``, one ``rl_iteration`` flow run each
+    (parameters run id and iteration; the runtime reaches it by closure)."""
+
+    # rlake passes (run_id, iteration) itself: no pydantic model built per call to check them
+    # (~0.75 ms of the training process's CPU an iteration)
+    @flow(name="rl_iteration", validate_parameters=False)
+    def rl_iteration(run_id: str, iteration: int) -> dict[str, float]:
+        return sync_iteration(rt, iteration)
+
     run_iterations(rt, rl_iteration, reporter)
 
 
