@@ -61,7 +61,8 @@ def register(app: typer.Typer, debug: Callable[[], bool] = lambda: False) -> Non
                config: Annotated[Path | None, typer.Option("--config", help="YAML merged over the source's config")] = None,
                set_: SetOpt = None, run_id: Annotated[str | None, typer.Option("--run-id")] = None) -> None:
         """Train a new run from SOURCE_RUN's recorded trajectories (no generation)."""
-        row = _lake(home, None).get_run(source_run)
+        lake = _lake(home, None)
+        row = lake.get_run(source_run)
         if row is None:
             raise ValueError(f"no run '{source_run}' in the lake under {home}")
         data = deep_merge(json.loads(row["config"]), _yaml_mapping(config))
@@ -70,7 +71,7 @@ def register(app: typer.Typer, debug: Callable[[], bool] = lambda: False) -> Non
         from infra.progress import replay_with_progress
         from infra.startup import check_replay, new_run_id
 
-        check_replay(cfg, iterations, rescore)
+        check_replay(lake, cfg, source_run, iterations, rescore)
         run_id = run_id or new_run_id()
         console.print(f"[dim]replaying {source_run} (iterations {iterations or 'all'}) as run {run_id}[/]")
         summary = replay_with_progress(cfg, source_run, run_id, iterations, rescore, resume=False,

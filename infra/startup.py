@@ -158,11 +158,22 @@ def parse_iterations(spec: str | None) -> tuple[int, int | None]:
     return a, b
 
 
-def check_replay(cfg: RunConfig, iterations: str | None, rescore: str | None) -> None:
+def check_replay(lake, cfg: RunConfig, source_run: str, iterations: str | None,
+                 rescore: str | None) -> None:
     """A replay's own arguments, before anything starts (a replay failing on them later left a
-    failed run behind): ``--iterations`` A:B, ``--rescore`` an ``rm_type`` or a loadable
-    ``module:function`` taking ``custom_rm_path``'s arguments."""
-    parse_iterations(iterations)
+    failed run behind): ``--iterations`` A:B holding some of ``source_run``'s train
+    trajectories, ``--rescore`` an ``rm_type`` or a loadable ``module:function`` taking
+    ``custom_rm_path``'s arguments."""
+    import pyarrow.compute as pc
+
+    first, stop = parse_iterations(iterations)
+    recorded = lake.read("trajectories", run_id=source_run, columns=["iteration", "kind"])
+    train = sorted(set(recorded.filter(pc.equal(recorded.column("kind"), "train"))
+                       .column("iteration").to_pylist()))
+    if not [i for i in train if i >= first and (stop is None or i < stop)]:
+        has = f"it has iterations {train[0]}..{train[-1]}" if train else "it has none"
+        raise StartupError(f"run '{source_run}' has no train trajectories in iterations "
+                           f"{iterations or 'all'} ({has})")
     if not rescore:
         return
     from rewards.registry import resolve_rm_type

@@ -107,6 +107,8 @@ def test_replay_config_errors_before_anything_starts(home, tmp_path):
     # a replay's own arguments too: no run of it is recorded (a bad --iterations left a failed one)
     cases = ((["--iterations", "5:2"], "--iterations '5:2': need 0 <= A < B"),
              (["--iterations", "x"], "--iterations 'x' must look like A:B"),
+             (["--iterations", "5:9"], "run 'r' has no train trajectories in iterations 5:9 "
+                                      "(it has iterations 0..1)"),
              (["--rescore", "nosuch"], "--rescore 'nosuch': unknown rm_type 'nosuch'"),
              (["--rescore", "nosuch_module:fn"], "--rescore 'nosuch_module:fn' cannot be loaded"),
              (["--rescore", "tests.opshelp:tail"], "--rescore 'tests.opshelp:tail' must accept 2"))
