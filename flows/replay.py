@@ -35,8 +35,8 @@ from infra.checkpoints import rebuild_chain, resume_checkpoint, saved_versions
 from infra.config import config_from_dict
 from infra.faults import set_iteration
 from infra.recovery import run_tag
-from infra.runtime import RUNTIMES, Runtime, new_run_id, open_runtime
-from infra.startup import open_lake, parse_iterations, refuse_existing
+from infra.runtime import RUNTIMES, Runtime, open_runtime
+from infra.startup import new_run_id, open_lake, parse_iterations, refuse_existing
 from rewards.registry import Scorer
 from rollout.sample import Sample, Status
 from tasks.eval import evaluate

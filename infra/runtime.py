@@ -20,7 +20,7 @@ from infra.config import RunConfig, config_from_dict
 from infra.modeling import load_tokenizer, placement, tiny_model, use_deterministic_algorithms
 from infra.sides import RolloutSide
 from infra.spawned import SpawnedProcess
-from infra.startup import new_run_id  # noqa: F401 - re-exported (flows.replay)
+from infra.startup import new_run_id
 from infra.tracker_process import TrackerProcess
 from infra.tracking import Tracker
 from rollout.data import PromptDataset
