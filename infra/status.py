@@ -57,8 +57,15 @@ def _show_run(console: Console, lake: Lake, run_id: str, home: str | None) -> No
     console.print(f"[bold]{run_id}[/]  status: {status}  MLflow run: {run.get('mlflow_run_id')}")
     if status == "interrupted":
         console.print(f"  no live process owns it (killed?): rlake resume {run_id} --home {home}")
+    start = "after SFT"
+    if run.get("replay_of"):
+        asked = json.loads(run.get("notes") or "{}")
+        rescored = f", rescored with {asked['rescore']}" if asked.get("rescore") else ""
+        console.print(f"replay of {run['replay_of']} (iterations {asked.get('iterations') or 'all'}"
+                      f"{rescored}): its recorded trajectories, no generation")
+        start = "the replay's starting policy"
     if 0 in evals:
-        console.print(f"held-out accuracy of weight version 0 (after SFT): {evals[0]:.3f}")
+        console.print(f"held-out accuracy of weight version 0 ({start}): {evals[0]:.3f}")
     table = Table("iteration", "version", "samples", "reward", "pg_loss", "clipfrac", "s/it", "eval acc")
     for s in steps:
         metrics = json.loads(s.get("metrics") or "{}")

@@ -72,6 +72,10 @@ def test_replay_rescore(source):
         ({"run_id": "rep", "iteration": j, "source_iteration": j + 1}, "COMPLETED") for j in (0, 1)]
     text = log.read_text()  # the live display's lines
     assert "eval after iteration 0: held-out accuracy" in text and "eval after iteration 2" in text
+    status = home / "status-rep.log"
+    assert rlake(["status", "rep", "--home", str(home)], cli_env(None), status).returncode == 0
+    assert (f"replay of {SOURCE} (iterations 1:3, rescored with tests.opshelp:length_reward)"
+            in status.read_text()), tail(status)
 
 
 def _flow_runs(api_url: str, run_id: str) -> list[dict]:
