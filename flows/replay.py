@@ -35,8 +35,8 @@ from infra.checkpoints import rebuild_chain, resume_checkpoint, saved_versions
 from infra.config import config_from_dict
 from infra.faults import set_iteration
 from infra.recovery import run_tag
-from infra.runtime import RUNTIMES, Runtime, open_runtime
-from infra.startup import new_run_id, open_lake, parse_iterations, refuse_existing
+from infra.runtime import Runtime, runtime_for
+from infra.startup import new_run_id, parse_iterations
 from rewards.registry import Scorer
 from rollout.sample import Sample, Status
 from tasks.eval import evaluate
@@ -141,13 +141,8 @@ def rl_replay(source_run: str, config: dict, run_id: str | None = None, iteratio
     with temporary_settings(updates=FAST_FLOW_SETTINGS):
         cfg = config_from_dict(config)
         run_id = run_id or new_run_id()
-        # the CLI opens the runtime (``infra.startup.prepared_replay``, which refuses a run id
-        # in use) before the first flow, while Prefect's server starts
-        rt = RUNTIMES.get(run_id)
-        if rt is None:
-            if not resume:  # a replay under the source's (or any run's) id would overwrite it
-                refuse_existing(open_lake(cfg), cfg, run_id)
-            rt = open_runtime(cfg, run_id, resume=resume, replay=True)
+        # the CLI opens the runtime before the first flow, while Prefect's server starts
+        rt = runtime_for(cfg, run_id, resume, replay=True)
         with owned_run(rt):
             rt.reporter = current_reporter()
             if rescore:  # an rm_type name, or a module:function path

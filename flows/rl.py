@@ -48,8 +48,7 @@ from flows.steps import (
 from infra.config import RunConfig, config_from_dict
 from infra.faults import fault_point, set_iteration
 from infra.recovery import run_tag
-from infra.runtime import RUNTIMES, Runtime, open_runtime
-from infra.startup import open_lake, refuse_existing
+from infra.runtime import Runtime, runtime_for
 from rollout.sample import Status
 from tasks.eval import evaluate
 from tasks.lake import read_training_slice, written_slice
@@ -146,14 +145,8 @@ def current_reporter():
 
 
 def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
-    # the CLI opens the runtime (``infra.startup.prepared_run``, which refuses a run id in use)
-    # before the first flow, while Prefect's server starts
-    rt = RUNTIMES.get(run_id)
-    if rt is None:
-        named = run_id or cfg.run_id
-        if not resume and named:  # a new run under a taken id would overwrite that run's records
-            refuse_existing(open_lake(cfg), cfg, named)
-        rt = open_runtime(cfg, run_id, resume)
+    # the CLI opens the runtime before the first flow, while Prefect's server starts
+    rt = runtime_for(cfg, run_id, resume)
     with owned_run(rt):
         rt.reporter = _REPORTER
         reporter = rt.report

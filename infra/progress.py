@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import shlex
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -73,6 +75,24 @@ def quiet_prefect_errors() -> None:
             handler.addFilter(_no_prefect_errors_on_console)
 
 
+@contextmanager
+def live_display(console: Console, run_id: str, debug: bool) -> Iterator[None]:
+    """Inside: the pipeline's events on a live display (``RichReporter``), Prefect's error
+    tracebacks off the console unless ``debug``, and every flow run tagged with the run from
+    its creation (a kill -9 at any moment leaves a flow run resume can find)."""
+    from prefect import tags
+
+    from flows.rl import set_reporter
+    from infra.recovery import run_tag
+
+    if not debug:
+        quiet_prefect_errors()
+    reporter = RichReporter(console)
+    set_reporter(reporter)
+    with reporter.progress, tags(run_tag(run_id)):
+        yield
+
+
 def run_with_progress(cfg: RunConfig, run_id: str | None, resume: bool, console: Console,
                       debug: bool = False) -> dict:
     """Check, record and open the run (``infra.startup.prepared_run``: Prefect's server starts
@@ -80,18 +100,9 @@ def run_with_progress(cfg: RunConfig, run_id: str | None, resume: bool, console:
     from infra.startup import prepared_run
 
     with prepared_run(cfg, run_id, resume) as run_id:
-        from prefect import tags
+        from flows.rl import rl_run
 
-        from flows.rl import rl_run, set_reporter
-        from infra.recovery import run_tag
-
-        if not debug:
-            quiet_prefect_errors()
-
-        reporter = RichReporter(console)
-        set_reporter(reporter)
-        # tagged from its creation: a kill -9 at any moment leaves a flow run resume can find
-        with reporter.progress, tags(run_tag(run_id)):
+        with live_display(console, run_id, debug):
             summary = rl_run(cfg.model_dump(), run_id=run_id, resume=resume)
     summary["accuracy"] = accuracy_before_after(summary["lake_uri"], summary["run_id"], cfg)
     return summary
@@ -105,17 +116,9 @@ def replay_with_progress(cfg: RunConfig, source_run: str, run_id: str, iteration
     from infra.startup import prepared_replay
 
     with prepared_replay(cfg, run_id, resume):
-        from prefect import tags
-
         from flows.replay import rl_replay
-        from flows.rl import set_reporter
-        from infra.recovery import run_tag
 
-        if not debug:
-            quiet_prefect_errors()
-        reporter = RichReporter(console)
-        set_reporter(reporter)
-        with reporter.progress, tags(run_tag(run_id)):
+        with live_display(console, run_id, debug):
             return rl_replay(source_run, cfg.model_dump(), run_id=run_id, iterations=iterations,
                              rescore=rescore, resume=resume)
 

@@ -20,7 +20,7 @@ from infra.config import RunConfig, config_from_dict
 from infra.modeling import load_tokenizer, placement, tiny_model, use_deterministic_algorithms
 from infra.sides import RolloutSide
 from infra.spawned import SpawnedProcess
-from infra.startup import new_run_id
+from infra.startup import new_run_id, open_lake, refuse_existing
 from infra.tracker_process import TrackerProcess
 from infra.tracking import Tracker
 from rollout.data import PromptDataset
@@ -251,6 +251,20 @@ def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False
     rt.spawned = spawned
     RUNTIMES[run_id] = rt
     return rt
+
+
+def runtime_for(cfg: RunConfig, run_id: str | None, resume: bool, replay: bool = False) -> Runtime:
+    """The runtime the CLI opened for ``run_id`` before the first flow (``RUNTIMES``, from
+    ``infra.startup.prepared_run`` / ``prepared_replay``, which refuse a run id in use), else
+    ``open_runtime`` now; then a new run (not ``resume``) under an id a run already holds is
+    refused first, as the CLI refuses it: it would overwrite that run's records."""
+    rt = RUNTIMES.get(run_id)
+    if rt is not None:
+        return rt
+    named = run_id or cfg.run_id
+    if not resume and named:
+        refuse_existing(open_lake(cfg), cfg, named)
+    return open_runtime(cfg, run_id, resume=resume, replay=replay)
 
 
 def _open(cfg: RunConfig, run_id: str, resume: bool, home: Path, run_dir: Path, lake: Lake,
