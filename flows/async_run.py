@@ -112,11 +112,14 @@ class RolloutProcess:
             after.add_done_callback(
                 lambda done: self.spawned.inbox.put(message) if done.exception() is None else None)
 
-    def _receive(self, timeout: float) -> None:
+    def _receive(self, timeout: float, awaited: bool = True) -> None:
+        """Take one message (waiting up to ``timeout``). A rollout process gone with nothing
+        left to read is an error only while something is ``awaited`` from it: one that has
+        appended the run's last batch ends, and a resume may find every batch in the lake."""
         try:
             message = self.spawned.outbox.get(timeout=timeout)
         except queue.Empty:
-            if not self.spawned.proc.is_alive():
+            if awaited and not self.spawned.proc.is_alive():
                 raise RuntimeError(f"run {self.rt.run_id}: the rollout process exited "
                                    f"(code {self.spawned.proc.exitcode}); `rlake resume` continues") from None
             return
@@ -132,7 +135,8 @@ class RolloutProcess:
         """Read messages as they come until ``ready()``."""
         self.last_message = time.monotonic()
         while True:
-            self._receive(timeout=0.0 if ready() else 0.5)
+            waiting = not ready()
+            self._receive(timeout=0.5 if waiting else 0.0, awaited=waiting)
             if ready():
                 return
             if time.monotonic() - self.last_message > SILENCE_LIMIT_S:

@@ -80,6 +80,39 @@ def test_mailbox_keeps_the_newest_weights_and_sees_stop():
     q.close()
 
 
+def test_a_rollout_process_with_nothing_left_to_generate_ends_and_the_run_goes_on(server, tmp_path):
+    """A resume can find every batch already in the lake: its rollout process then ends at once
+    (exit 0). That is an error only while a batch is awaited from it (CI caught the training
+    side raising "the rollout process exited (code 0)" for a batch the lake held)."""
+    from buffer.synth import synthetic_rows
+    from flows.async_run import RolloutProcess
+    from flows.durability import close_runtime
+    from infra.config import load_config
+    from infra.runtime import open_runtime
+    from tests.conftest import REPO
+
+    _, url = server
+    cfg = load_config(REPO / "configs" / "quickstart.yaml", [
+        f"home={tmp_path / 'home'}", "mode=async", f"trainer.max_staleness={K}", "num_rollout=3",
+        *[TINY[i + 1] for i in range(0, len(TINY), 2)]])
+    rt = open_runtime(cfg, "all-in-lake")
+    producer = None
+    try:
+        for batch in range(3):  # every batch of the run, appended before this process
+            rt.lake.append_trajectories(synthetic_rows("all-in-lake", batch, n=PER_BATCH))
+        producer = RolloutProcess(rt).start(url)
+        producer.spawned.proc.join(timeout=300)  # a hang guard
+        assert producer.spawned.proc.exitcode == 0, "nothing to generate: it ends, successfully"
+        for batch in range(3):
+            producer.wait_for_batch(batch)  # in the lake: nothing awaited from it
+        with pytest.raises(RuntimeError, match=r"the rollout process exited \(code 0\)"):
+            producer.wait_for_batch(3)  # awaited from a process that is gone
+    finally:
+        if producer is not None:
+            producer.stop()
+        close_runtime(rt)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     yield from shared_prefect_server(tmp_path_factory, "async-home")
