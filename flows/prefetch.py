@@ -35,7 +35,11 @@ the run (the values the run was created with) is dropped. A state change costs t
 ~40-50 ms here (orchestration rules over SQLite): the 4 requests an iteration waited for took
 ~0.13-0.17 s of its ~0.5-0.6 s (2026-11-25, docs/operations.md). One thread sends all of them, so no two of rlake's writes meet at the
 server's SQLite; a collision with the server's own writers (its 503 "database is locked") is
-sent again within ~0.8 s (``LockRetryTransport``) instead of Prefect's 2 s client retry.
+sent again within ~0.8 s (``LockRetryTransport``) instead of Prefect's 2 s client retry. A final
+state that waits for its iteration's commit (run behind) is queued when that commit ends, so it
+holds back none of the writes queued after it; the flow upsert Prefect's client sends before
+each creation goes out once (``FlowUpsertCache``): that thread's requests are what the next
+iteration may wait for.
 What that gives up: the server's answer. A run cancelled from the UI while its iteration runs is
 not stopped by its Running being rejected (cancel the parent ``rl_run``: its own states are
 still orchestrated), and a state the server refuses or cannot take is logged, not raised (the
@@ -73,6 +77,10 @@ from prefect.states import Failed, Pending, State
 from infra.recovery import PREFETCHED, delete_with_tracker
 
 logger = logging.getLogger(__name__)
+
+
+# ``send(write, after=None)``: queue ``write(client)``, once the future ``after`` has ended
+Send = Callable[..., None]
 
 
 def _key(parameters: dict[str, Any], tags: set[str]) -> tuple:
@@ -118,8 +126,7 @@ class _ReportingClient(SyncPrefectClient):
     ``send`` (the background thread) and answered at once as accepted; reading the run gives the
     engine's own copy. Everything else is the engine's client itself (the same connection)."""
 
-    def __init__(self, client: SyncPrefectClient, flow_run: FlowRun,
-                 send: Callable[[Callable[[SyncPrefectClient], Any]], None],
+    def __init__(self, client: SyncPrefectClient, flow_run: FlowRun, send: Send,
                  hold: Callable[[], Future | None]) -> None:
         self.__dict__.update(client.__dict__)
         self._flow_run = flow_run
@@ -146,7 +153,7 @@ class _ReportingClient(SyncPrefectClient):
 
         def propose(client: SyncPrefectClient) -> None:
             nonlocal sent
-            if held is not None:  # the run's work still going on behind it: wait for that
+            if held is not None:  # the run's work that went on behind it has ended by now
                 err = held.exception()
                 if err is not None and sent.is_completed():
                     sent = Failed(message=f"its commit, run behind, failed: {err!r}")
@@ -154,7 +161,7 @@ class _ReportingClient(SyncPrefectClient):
             if result.status != SetStateStatus.ACCEPT:
                 logger.warning("Prefect did not take state %s of flow run %s: %s %s", sent.name,
                                flow_run_id, result.status.value, result.details)
-        self._send(propose)
+        self._send(propose, after=held)
         return OrchestrationResult(state=state, status=SetStateStatus.ACCEPT,
                                    details=StateAcceptDetails())
 
@@ -163,7 +170,7 @@ class _ReportingEngine(FlowRunEngine):
     """Prefect's flow engine with ``_ReportingClient`` as its client (set ``send`` and ``hold``
     first)."""
 
-    send: Callable[[Callable[[SyncPrefectClient], Any]], None]
+    send: Send
     hold: Callable[[], Future | None]
     _reporting: _ReportingClient | None = None
 
@@ -175,14 +182,13 @@ class _ReportingEngine(FlowRunEngine):
         return self._reporting
 
 
-def run_reported(flow: Flow, flow_run: FlowRun, parameters: dict[str, Any],
-                 send: Callable[[Callable[[SyncPrefectClient], Any]], None],
+def run_reported(flow: Flow, flow_run: FlowRun, parameters: dict[str, Any], send: Send,
                  hold: Callable[[], Future | None] = lambda: None) -> Any:
     """``flow(**parameters)`` on ``flow_run`` with Prefect's engine (the loop of
     ``prefect.flow_engine.run_flow_sync``), its writes for the run handed to ``send``. The run's
-    final state waits, on the sending thread, for the future ``hold()`` gives when the flow
-    function returns (work it left running behind it: ``flows.steps.run_behind``); Completed
-    becomes Failed if that work failed."""
+    final state is handed over once the future ``hold()`` gives when the flow function returns
+    has ended (work it left running behind it: ``flows.steps.run_behind``); Completed becomes
+    Failed if that work failed."""
     engine = _ReportingEngine(flow=flow, flow_run=flow_run, parameters=parameters)
     engine.send = send
     engine.hold = hold
@@ -262,8 +268,44 @@ class LockRetryTransport(httpx.BaseTransport):
         self.inner.close()
 
 
+# how long closing waits for a final state to be queued after its commit (``_send``'s
+# ``after``): the commits have been waited for (``flows.steps.settle_commit``) by then
+DEFERRED_WRITE_WAIT_S = 60.0
+
 # pauses before sending a request again that the server answered 503 (0.77 s in all)
 LOCK_RETRY_DELAYS_S = (0.02, 0.05, 0.1, 0.2, 0.4)
+
+
+class FlowUpsertCache(httpx.BaseTransport):
+    """HTTP transport that answers Prefect's flow upsert (``POST .../flows/``) from the first
+    answer to the same body: Prefect's ``create_flow_run`` sends it before every flow run it
+    creates, and it gives the same flow id each time. One request fewer per iteration for the
+    one thread that sends all of an iteration's writes one after another (~4 ms of the server's
+    CPU, measured 2026-11-27: 24 -> 20 ms a flow run with its Running and Completed). A failed
+    flow run creation (the flow deleted meanwhile) empties the cache."""
+
+    def __init__(self, inner: httpx.BaseTransport) -> None:
+        self.inner = inner
+        self._flows: dict[bytes, tuple[int, bytes]] = {}
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if request.method != "POST" or not path.endswith(("/flows/", "/flow_runs/")):
+            return self.inner.handle_request(request)
+        if path.endswith("/flows/") and (known := self._flows.get(request.content)) is not None:
+            status, content = known  # the body decoded: no Content-Encoding to repeat
+            return httpx.Response(status, headers={"content-type": "application/json"},
+                                  content=content, request=request)
+        response = self.inner.handle_request(request)
+        if path.endswith("/flow_runs/"):
+            if response.status_code >= 300:
+                self._flows.clear()
+        elif response.status_code in (200, 201):
+            self._flows[request.content] = (response.status_code, response.read())
+        return response
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 # flow runs kept created ahead: the next iteration's, and one spare, so that a slow answer of
@@ -297,6 +339,7 @@ class IterationRuns:
         self._pending: dict[tuple, Future] = {}
         self._parent = None
         self._tags: set[str] = set()
+        self._deferred: list[threading.Event] = []  # final states queued once a commit ends
 
     def __enter__(self) -> IterationRuns:
         self._tags = set(TagsContext.get().current_tags)  # every run's; each adds its own
@@ -357,16 +400,31 @@ class IterationRuns:
         for parameters, extra_tags in upcoming:
             self.prefetch(parameters, extra_tags)
 
-    def _send(self, write: Callable[[SyncPrefectClient], Any]) -> None:
+    def _send(self, write: Callable[[SyncPrefectClient], Any], after: Future | None = None) -> None:
         """Queue ``write(client)`` for the background thread, after the writes queued before,
-        ahead of the creations and deletions queued (``Writer``)."""
-        self._pool.submit(self._write, write, urgent=True)
+        ahead of the creations and deletions queued (``Writer``); with ``after``, once that
+        future has ended. A run's final state waits for its commit behind this way: waiting on
+        the thread instead held back every write queued after it (the next runs' Running and
+        creations) for as long as the commit took, and the training loop then waited for its
+        next run (measured 2026-11-27, async: ``outside_flow``)."""
+        if after is None or after.done():
+            self._pool.submit(self._write, write, urgent=True)
+            return
+        queued = threading.Event()
+        self._deferred = [*(e for e in self._deferred if not e.is_set()), queued]
+
+        def queue_write(_: Future) -> None:
+            self._pool.submit(self._write, write, urgent=True)
+            queued.set()
+        after.add_done_callback(queue_write)
 
     def close(self) -> None:
         """Let the queued writes land; delete the runs created and never taken; stop the
         thread."""
         if self._pool is None:
             return
+        for queued in self._deferred:  # final states waiting for a commit: it has ended
+            queued.wait(DEFERRED_WRITE_WAIT_S)
         pending, self._pending = list(self._pending.values()), {}
         for future in pending:
             future.cancel()
@@ -384,7 +442,7 @@ class IterationRuns:
             from prefect import get_client
 
             self._client = get_client(sync_client=True,
-                                      httpx_settings={"transport": LockRetryTransport()})
+                                      httpx_settings={"transport": FlowUpsertCache(LockRetryTransport())})
             self._client.__enter__()
         return self._client
 

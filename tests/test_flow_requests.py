@@ -268,27 +268,67 @@ def test_the_writer_sends_an_iterations_states_before_the_creations_queued_earli
     assert {thread for _, thread in ran} == {"rlake-prefetch"}
 
 
-def _answering(statuses: list[int]):
-    """A real HTTP server on 127.0.0.1 answering ``statuses`` in turn (200 after them); returns
-    (server, the paths it was sent)."""
+def test_a_final_state_waiting_for_its_commit_holds_back_no_other_write():
+    """A run's final state is queued once the commit it waits for has ended
+    (``IterationRuns._send``'s ``after``), so the writes queued after it (the next iteration's
+    Running, the next runs' creations) go out meanwhile; closing waits for it to be sent."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from prefect import flow
+
+    from flows.prefetch import IterationRuns, Writer
+
+    @flow(name="child")
+    def child(i: int) -> int:
+        return i
+
+    runs = IterationRuns(child)
+    runs._pool = Writer("rlake-prefetch")  # what entering inside a flow run starts
+    runs._client_ = lambda: None  # the writes below record instead of calling Prefect
+    sent: list[tuple[str, str]] = []
+
+    def write(name: str):
+        return lambda _client: sent.append((name, threading.current_thread().name))
+
+    commit = Future()
+    runs._send(write("Completed 0"), after=commit)
+    runs._send(write("Running 1"))
+    deadline = time.monotonic() + 30
+    while not sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [name for name, _ in sent] == ["Running 1"]  # not held back by the commit
+    threading.Timer(0.2, commit.set_result, (None,)).start()
+    runs.close()  # returns once the final state, queued when the commit ended, was sent
+    assert sent == [("Running 1", "rlake-prefetch"), ("Completed 0", "rlake-prefetch")]
+
+
+def _answering(statuses: list[int], answer: bytes = b""):
+    """A real HTTP server on 127.0.0.1 answering ``statuses`` in turn (200 after them), with the
+    body ``answer``; returns (server, the bodies it was sent); ``server.paths``: their paths."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     seen: list[str] = []
+    paths: list[str] = []
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 - http.server's name
             body = self.rfile.read(int(self.headers["Content-Length"]))
             seen.append(body.decode())
+            paths.append(self.path)
             status = statuses.pop(0) if statuses else 200
             self.send_response(status)
-            self.send_header("Content-Length", "0")
+            self.send_header("Content-Length", str(len(answer)))
             self.end_headers()
+            self.wfile.write(answer)
 
         def log_message(self, *args):
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.paths = paths
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, seen
 
@@ -318,3 +358,30 @@ def test_a_locked_database_503_is_sent_again_after_short_pauses():
     status, seen = _post_through_lock_retry([503] * tries)
     assert status == 503 and len(seen) == tries
     assert _post_through_lock_retry([500]) == (500, ['{"a":1}'])  # not a lock: no second try
+
+
+def test_the_flow_upsert_before_each_flow_run_is_sent_once():
+    """Prefect's ``create_flow_run`` upserts the flow before every flow run; the prefetch
+    thread's transport sends that upsert once per flow and answers the next ones with the first
+    answer, until a flow run creation fails (the flow may have been deleted)."""
+    import httpx
+
+    from flows.prefetch import FlowUpsertCache, LockRetryTransport
+
+    server, seen = _answering([200, 201, 200, 404], answer=b'{"id": "f1"}')
+    api = f"http://127.0.0.1:{server.server_port}/api"
+    try:
+        with httpx.Client(transport=FlowUpsertCache(LockRetryTransport())) as client:
+            first = client.post(f"{api}/flows/", json={"name": "rl_iteration"})
+            client.post(f"{api}/flow_runs/", json={"flow_id": "f1"})
+            again = client.post(f"{api}/flows/", json={"name": "rl_iteration"})
+            client.post(f"{api}/flows/", json={"name": "rollout_side"})
+            client.post(f"{api}/flow_runs/", json={"flow_id": "f1"})  # 404: the flow is gone
+            client.post(f"{api}/flows/", json={"name": "rl_iteration"})
+    finally:
+        server.shutdown()
+    assert first.json() == again.json() == {"id": "f1"} and again.status_code == 200
+    assert list(zip(server.paths, seen, strict=True)) == [
+        ("/api/flows/", '{"name":"rl_iteration"}'), ("/api/flow_runs/", '{"flow_id":"f1"}'),
+        ("/api/flows/", '{"name":"rollout_side"}'), ("/api/flow_runs/", '{"flow_id":"f1"}'),
+        ("/api/flows/", '{"name":"rl_iteration"}')]
