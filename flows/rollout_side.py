@@ -5,8 +5,13 @@
         wait while b - w > k                      (AReaL's bound: batch b is trained at version b)
         rollout_batch(b)                          (a Prefect task run named rollout_batch-b)
           generate -> score -> send the rows to the training side ("rows", b, stats, rows)
+          -> wait until version w is committed    (its train_steps row landed)
           -> lake commit                          (the training side trains meanwhile)
         tell the training side "b appended" at Delta version n
+
+The weights of a step come as soon as it has trained, before its commit (which runs behind): the
+batch generated with them overlaps that commit, and only its append waits for it, so the lake
+never holds rows of a version that a crash could take back.
 
 Batch b is the one training iteration b consumes (oldest first, one batch per iteration), so the
 wait keeps every trained sample within k versions of the trainer, after a resume too: the next
@@ -33,16 +38,21 @@ def batch_tag(batch: int) -> str:
 
 
 class Mailbox:
-    """Messages from the training side: ("weights", version, payload) and ("stop",). Keeps only
-    the newest weights; ``parent_pid`` gone ends the process (a last guard besides PDEATHSIG)."""
+    """Messages from the training side: ("weights", version, payload), ("committed", version)
+    once that version's ``train_steps`` row has landed, and ("stop",). Keeps only the newest
+    weights and the newest committed version; ``parent_pid`` gone ends the process (a last guard
+    besides PDEATHSIG)."""
 
     def __init__(self, inbox, parent_pid: int) -> None:
         self.inbox, self.parent_pid = inbox, parent_pid
         self.version, self.payload, self.stopped = -1, None, False
+        self.committed = -1
 
     def _take(self, message: tuple) -> None:
         if message[0] == "stop":
             self.stopped = True
+        elif message[0] == "committed":
+            self.committed = max(self.committed, message[1])
         elif message[1] > self.version:
             self.version, self.payload = message[1], message[2]
 
@@ -64,6 +74,13 @@ class Mailbox:
         while self.version < min_version and not self.stopped:
             self.poll(timeout=1.0)
 
+    def wait_committed(self, version: int) -> bool:
+        """Block until ``version`` is committed; False if the training side stopped first."""
+        self.poll()
+        while self.committed < version and not self.stopped:
+            self.poll(timeout=1.0)
+        return self.committed >= version
+
 
 def produce(side, mailbox: Mailbox, outbox, stop_at: int) -> None:
     """The loop of the module docstring (runs inside the ``rollout_side`` flow)."""
@@ -84,8 +101,13 @@ def produce(side, mailbox: Mailbox, outbox, stop_at: int) -> None:
         def send_rows(stats: dict, rows, batch: int = batch) -> None:
             outbox.put(("rows", batch, stats, rows))
 
+        def committed(version: int = side.engine.weight_version) -> bool:
+            return mailbox.wait_committed(version)
+
         # named after its batch (BATCH_RUN_NAME), untagged (flows.prefetch.untagged says why)
-        _, lake_version = rollout_batch(side, batch, send_rows)
+        _, lake_version = rollout_batch(side, batch, send_rows, committed)
+        if mailbox.stopped:  # the run ended before the batch's version was committed
+            return
         outbox.put(("appended", batch, lake_version))
         batch += 1
 

@@ -24,12 +24,15 @@ BATCH_RUN_NAME = "rollout_batch-{batch}"
 
 @task(name="rollout_batch", task_run_name=BATCH_RUN_NAME, cache_policy=NO_CACHE)
 def rollout_batch(side: RolloutSide, batch: int,
-                  send_rows: Callable[[dict[str, float], pa.Table], None] | None = None
+                  send_rows: Callable[[dict[str, float], pa.Table], None] | None = None,
+                  may_append: Callable[[], bool] | None = None
                   ) -> tuple[dict[str, float], int | None]:
     """Batch ``batch`` with the engine's current weights: generate -> score -> one lake commit.
     ``send_rows(stats, rows)`` gets the rows just before they are appended (the training side
-    trains on them while they commit). Returns (stats, the commit's Delta version); the commit
-    holds the stats too (a resumed trainer reads them from there)."""
+    trains on them while they commit); ``may_append()`` then waits until the weights' version
+    is committed, and False skips the append (the run stopped first). Returns (stats, the
+    commit's Delta version); the commit holds the stats too (a resumed trainer reads them from
+    there)."""
     start = time.perf_counter()
     out = generate_rollouts.fn(side, batch)
     generated = time.perf_counter()
@@ -42,8 +45,12 @@ def rollout_batch(side: RolloutSide, batch: int,
     rows = rollout_table(side, out, batch)
     if send_rows is not None:
         send_rows(out.stats, rows)
+    if may_append is not None and not may_append():
+        return out.stats, None
+    appending = time.perf_counter()
     lake_version = write_rollout.fn(side, rows, out.commit_info())
-    return {**out.stats, "time/lake_write": time.perf_counter() - scored}, lake_version
+    return {**out.stats, "time/commit_wait": appending - scored,
+            "time/lake_write": time.perf_counter() - appending}, lake_version
 
 
 @step_task(name="read_rollout_batch", retries=2, retry_delay_seconds=1)

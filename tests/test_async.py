@@ -63,6 +63,8 @@ def test_rollout_side_resumes_after_the_newest_batch_at_its_committed_position(t
 
 
 def test_mailbox_keeps_the_newest_weights_and_sees_stop():
+    """Weights come before their commit: the mailbox keeps the newest weights and, apart, the
+    newest committed version, which the rollout side's append waits for."""
     import multiprocessing
     import os
 
@@ -72,11 +74,15 @@ def test_mailbox_keeps_the_newest_weights_and_sees_stop():
     box = Mailbox(q, os.getppid())
     for version in (3, 5, 4):
         q.put(("weights", version, f"w{version}".encode()))
+    q.put(("committed", 4))
+    q.put(("committed", 3))
     box.wait_for(5)
-    assert (box.version, box.payload, box.stopped) == (5, b"w5", False)
+    assert box.wait_committed(4)
+    assert (box.version, box.payload, box.committed, box.stopped) == (5, b"w5", 4, False)
     q.put(("stop",))
     box.wait_for(9)  # returns on stop instead of waiting for version 9
     assert box.stopped and box.version == 5
+    assert not box.wait_committed(5)  # stopped before version 5 was committed: no append
     q.close()
 
 

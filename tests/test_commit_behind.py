@@ -3,8 +3,9 @@ thread of its own while the next iteration generates (sync) or trains (async).
 
 Sync: the next iteration's trajectories are appended only after that row (a resume then never
 finds rows of an iteration whose previous step is uncommitted). Async: the weights the step made
-reach the rollout side only after that row (the rollout side never generates with a version a
-crash could take back), and the next step's row comes after it.
+reach the rollout side at once, but what it generates with them is appended only after that row
+(the lake never holds rows of a version a crash could take back), and the next step's row comes
+after it.
 
 The run's ``train_steps`` append is slowed by ``SLOW_S`` (longer than an iteration's generation
 or training) so that each order can only hold because something waited for the commit: without
@@ -117,8 +118,8 @@ def test_the_commit_behind_lands_before_what_depends_on_it(tmp_path, mode):
         for i in range(N_ITER - 1):
             assert steps[i] <= rollouts[i + 1], (i, steps, rollouts)
     else:
-        # batch b generated with version w came after step w - 1's commit (which made w): its
-        # rows were stamped (created_at, before their own append) after that commit
+        # batch b generated with version w was appended after step w - 1's commit (which made
+        # w), though generated meanwhile: the weights come before the commit, the append after
         trajectories = lake.read("trajectories", run_id="behind",
                                  columns=["iteration", "kind", "weight_version", "created_at"])
         made = {}
@@ -127,9 +128,13 @@ def test_the_commit_behind_lands_before_what_depends_on_it(tmp_path, mode):
                 key = (r["iteration"], r["weight_version"])
                 made[key] = min(made.get(key, r["created_at"]), r["created_at"])
         assert 2 in {w for _, w in made}, made  # made by step 1, which ran behind
-        for (batch, version), created in made.items():
+        for (batch, version) in made:
             if version >= 1:
-                assert steps[version - 1] <= created.replace(tzinfo=UTC), (batch, version, steps)
+                assert steps[version - 1] <= rollouts[batch], (batch, version, steps, rollouts)
+        # the rollout side generated with a version while its commit (slowed by SLOW_S) ran:
+        # rows stamped (created_at, before their append) before that commit landed
+        assert any(created.replace(tzinfo=UTC) < steps[version - 1]
+                   for (_, version), created in made.items() if version >= 1), (made, steps)
         # the steps after one that committed behind waited for it before their own commit
         for i in set(events) - inline:
             assert "time/commit_wait" in events[i + 1] and \
