@@ -8,7 +8,8 @@ generation throughput against transformers' own ``generate``.
 (``wait_rollout``: waiting for the rollout process's batch); ``--set prefect_task_runs=false``
 runs the iteration's steps without Prefect task runs (tasks/step.py).
 
-Prints figures, then one JSON line. Timings on a shared 2-core machine are noisy: compare the
+Prints figures (the split's medians with ``max_wall`` and ``walls_over_1s``, the stalls; the CPU
+each of the run's processes used per iteration: ``bench/cpu.py``), then one JSON line. Timings on a shared 2-core machine are noisy: compare the
 ratios within one run, not absolute seconds across runs.
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu import per_iteration_ms, process_tree_cpu  # noqa: E402
 from bench.scratch import scratch_dir  # noqa: E402
 from infra.env import configure_environment  # noqa: E402
 
@@ -74,7 +76,8 @@ def iteration_split(iterations: int, overrides: list[str] = ()) -> dict:
     run loop's ``iteration`` events: each carries the iteration's ``time/*`` phases (``record``
     and ``total`` end after the ``train_steps`` row is written, so only the event has them), and
     ``wall``, the time between consecutive iterations' ends, counts Prefect's per-flow-run cost
-    outside the flow function too."""
+    outside the flow function too. Returns (the split's medians, CPU milliseconds per iteration
+    of each of the run's processes: ``bench.cpu``)."""
     from flows.rl import rl_run, set_reporter
     from infra.config import load_config
 
@@ -84,10 +87,15 @@ def iteration_split(iterations: int, overrides: list[str] = ()) -> dict:
                        f"eval.eval_interval={iterations + 1}", *overrides])
     configure_environment(home, cfg.torch_threads)
     events: list[tuple[float, dict]] = []
+    # after iteration 0 and after the one before the last (the last evaluates at its end)
+    cpu_at = (0, iterations - 2)
+    cpu: list[dict[str, float]] = []
 
     def on_event(event: str, payload: dict) -> None:
         if event == "iteration":
             events.append((time.perf_counter(), payload))
+            if payload["iteration"] in cpu_at:
+                cpu.append({**process_tree_cpu(), "wall": time.perf_counter()})
 
     set_reporter(on_event)
     try:
@@ -100,7 +108,11 @@ def iteration_split(iterations: int, overrides: list[str] = ()) -> dict:
     out = {name: statistics.median(r.get(name, 0.0) for r in rows) for name in [*PHASES, "total", "wall"]}
     out["in_flow_other"] = out["total"] - sum(out[p] for p in PHASES)
     out["outside_flow"] = out["wall"] - out["total"]
-    return out
+    # stalls: the issue's "no multi-second stalls" (a 60 s one: docs/operations.md, Async mode)
+    out["max_wall"] = max((r["wall"] for r in rows), default=0.0)
+    out["walls_over_1s"] = float(sum(r["wall"] > 1.0 for r in rows))
+    cpu_ms = per_iteration_ms(cpu[0], cpu[-1], cpu_at[1] - cpu_at[0]) if len(cpu) == 2 else {}
+    return out, cpu_ms
 
 
 def main() -> None:
@@ -117,9 +129,15 @@ def main() -> None:
         print(f"torch engine: {gen['engine_tokens_per_s']:.0f} tok/s, HF generate: "
               f"{gen['hf_generate_tokens_per_s']:.0f} tok/s -> {gen['engine_speedup']:.2f}x "
               f"(batch {gen['batch']}, {gen['new_tokens']} new tokens, sampling)")
-    split = iteration_split(args.iterations, args.overrides)
+    split, cpu_ms = iteration_split(args.iterations, args.overrides)
     print("per-iteration median seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
-    print(json.dumps({"bench": "quickstart", "generation": gen, "iteration_seconds": split}))
+    if cpu_ms:  # means over iterations 1 .. n-2; each process with its threads
+        wall = cpu_ms.pop("wall")
+        print(f"CPU ms per iteration (mean wall {wall:.1f} ms, {cpu_ms['total'] / wall:.2f} cores): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in cpu_ms.items()))
+        cpu_ms["wall"] = wall
+    print(json.dumps({"bench": "quickstart", "generation": gen, "iteration_seconds": split,
+                      "cpu_ms_per_iteration": cpu_ms}))
 
 
 if __name__ == "__main__":
