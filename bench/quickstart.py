@@ -9,8 +9,9 @@ generation throughput against transformers' own ``generate``.
 runs the iteration's steps without Prefect task runs (tasks/step.py).
 
 Prints figures (the split's medians with ``max_wall`` and ``walls_over_1s``, the stalls; the CPU
-each of the run's processes used per iteration: ``bench/cpu.py``), then one JSON line. Timings on a shared 2-core machine are noisy: compare the
-ratios within one run, not absolute seconds across runs.
+each of the run's processes used per iteration: ``bench/cpu.py``), then one JSON line. Timings
+on a shared 2-core machine are noisy: compare the ratios within one run, not absolute seconds
+across runs.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def engine_vs_generate(batch: int = 64, new_tokens: int = 64, reps: int = 5) -> 
             "batch": batch, "new_tokens": new_tokens}
 
 
-def iteration_split(iterations: int, overrides: list[str] = ()) -> dict:
+def iteration_split(iterations: int, overrides: list[str] = ()
+                    ) -> tuple[dict[str, float], dict[str, float]]:
     """Run the pipeline (short SFT, ``iterations`` RL iterations) and read the split back from the
     run loop's ``iteration`` events: each carries the iteration's ``time/*`` phases (``record``
     and ``total`` end after the ``train_steps`` row is written, so only the event has them), and
@@ -132,10 +134,9 @@ def main() -> None:
     split, cpu_ms = iteration_split(args.iterations, args.overrides)
     print("per-iteration median seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
     if cpu_ms:  # means over iterations 1 .. n-2; each process with its threads
-        wall = cpu_ms.pop("wall")
+        wall = cpu_ms["wall"]
         print(f"CPU ms per iteration (mean wall {wall:.1f} ms, {cpu_ms['total'] / wall:.2f} cores): "
-              + ", ".join(f"{k} {v:.1f}" for k, v in cpu_ms.items()))
-        cpu_ms["wall"] = wall
+              + ", ".join(f"{k} {v:.1f}" for k, v in cpu_ms.items() if k != "wall"))
     print(json.dumps({"bench": "quickstart", "generation": gen, "iteration_seconds": split,
                       "cpu_ms_per_iteration": cpu_ms}))
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -37,8 +38,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def dump_all(folder: Path) -> None:
     """Every thread of this process (faulthandler) and of its children (``py-spy dump
     --locals``, where py-spy is installed) into ``folder``."""
-    import os
-
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "training_process.txt", "w") as out:
         faulthandler.dump_traceback(file=out, all_threads=True)

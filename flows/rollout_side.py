@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import queue
 import traceback
+from functools import partial
 from typing import Any
 
 BATCH_TAG = "rlake-batch:{}"
@@ -101,11 +102,10 @@ def produce(side, mailbox: Mailbox, outbox, stop_at: int) -> None:
         def send_rows(stats: dict, rows, batch: int = batch) -> None:
             outbox.put(("rows", batch, stats, rows))
 
-        def committed(version: int = side.engine.weight_version) -> bool:
-            return mailbox.wait_committed(version)
-
-        # named after its batch (BATCH_RUN_NAME), untagged (flows.prefetch.untagged says why)
-        _, lake_version = rollout_batch(side, batch, send_rows, committed)
+        # named after its batch (BATCH_RUN_NAME), untagged (flows.prefetch.untagged says why);
+        # its append waits until the weights it was generated with are committed
+        _, lake_version = rollout_batch(side, batch, send_rows,
+                                        partial(mailbox.wait_committed, side.engine.weight_version))
         if mailbox.stopped:  # the run ended before the batch's version was committed
             return
         outbox.put(("appended", batch, lake_version))
