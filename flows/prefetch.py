@@ -308,6 +308,27 @@ class FlowUpsertCache(httpx.BaseTransport):
         self.inner.close()
 
 
+def create_flow_run_once(client: SyncPrefectClient, flow: Flow, parameters: dict[str, Any],
+                         tags: set[str], parent_task_run_id: Any, state: State) -> FlowRun:
+    """``client.create_flow_run`` with an idempotency key: Prefect's client sends a request again
+    when its answer does not come within ``PREFECT_API_REQUEST_TIMEOUT`` (``infra.env``), and a
+    creation that did land then made a second run, left Pending behind. The server answers a
+    creation with the key of one it has with that run instead (its tracking task run's
+    ``dynamic_key`` does the same for ``create_task_run``)."""
+    from prefect.client.schemas.actions import FlowRunCreate
+    from prefect.client.schemas.objects import FlowRunPolicy
+    from prefect.states import to_state_create
+
+    body = FlowRunCreate(
+        flow_id=client.create_flow(flow), flow_version=flow.version, parameters=parameters,
+        tags=sorted(tags), parent_task_run_id=parent_task_run_id, state=to_state_create(state),
+        empirical_policy=FlowRunPolicy(retries=flow.retries,
+                                       retry_delay=int(flow.retry_delay_seconds or 0)),
+        idempotency_key=uuid4().hex)
+    response = client.request("POST", "/flow_runs/", json=body.model_dump(mode="json", exclude_unset=True))
+    return FlowRun.model_validate(response.json())
+
+
 # flow runs kept created ahead: the next iteration's, and one spare, so that a slow answer of
 # the server (it is busy with the other process's records in async mode) is absorbed by a
 # whole iteration instead of stalling the next one (measured 2026-11-25: with one ahead, the
@@ -466,9 +487,8 @@ class IterationRuns:
                 task=tracker, name=f"{self.flow.name}-{key[:8]}", flow_run_id=self._parent.id,
                 dynamic_key=key, state=Pending(), task_inputs={k: [] for k in parameters},
                 extra_tags=tags).id
-        return client.create_flow_run(
-            flow=self.flow, parameters=self.flow.serialize_parameters(parameters),
-            state=Pending(name=PREFETCHED), parent_task_run_id=parent, tags=tags)
+        return create_flow_run_once(client, self.flow, self.flow.serialize_parameters(parameters),
+                                    tags, parent, Pending(name=PREFETCHED))
 
     def _delete(self, future: Future) -> None:
         flow_run = _created(future)

@@ -45,6 +45,11 @@ OFFLINE_ENV = {
     # the server does not check CSRF tokens (its own setting is off by default), yet each new
     # client fetched one before its first write: a round trip on every subflow call
     "PREFECT_CLIENT_CSRF_SUPPORT_ENABLED": "false",
+    # a request whose answer never comes is sent again after this many seconds (Prefect's
+    # default: 60). About one iteration in ~900 waited for such a request and ended ~62 s late;
+    # with 10 s, none over 1 s in 6,000 iterations (bench/stalls.py, docs/operations.md). A
+    # creation sent twice makes one run (flows.prefetch.create_flow_run_once)
+    "PREFECT_API_REQUEST_TIMEOUT": "10",
     "PREFECT_UI_ENABLED": "false",
 }
 

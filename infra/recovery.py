@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -205,10 +206,15 @@ def delete_prefetched(run_id: str, committed: set[int] = frozenset()) -> list[st
 
 
 def delete_with_tracker(client, flow_run) -> None:
-    """Delete a subflow run and the parent's task run that stood for it (a sync client)."""
-    client.delete_flow_run(flow_run.id)
-    if flow_run.parent_task_run_id is not None:
-        client.delete_task_run(flow_run.parent_task_run_id)
+    """Delete a subflow run and the parent's task run that stood for it (a sync client). One
+    already gone is no error: Prefect's client sends a DELETE again when its answer is late."""
+    from prefect.exceptions import ObjectNotFound
+
+    for delete, record_id in ((client.delete_flow_run, flow_run.id),
+                              (client.delete_task_run, flow_run.parent_task_run_id)):
+        if record_id is not None:
+            with contextlib.suppress(ObjectNotFound):
+                delete(record_id)
 
 
 def tag_current_flow_run(run_id: str) -> str | None:

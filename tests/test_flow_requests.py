@@ -61,14 +61,17 @@ server = EmbeddedServer.start(home)
 server.wait()
 """
 
-FAILING_PARENT = START_SERVER + """
+FAILING_PARENT_BODY = """
+import time
 from prefect import flow
+from flows.durability import drain_prefect_clients
 from flows.prefetch import IterationRuns, ahead
 from bench.flow_requests import flow_run_states
 
 @flow(name="child")
 def child(i: int) -> int:
     if i == 2:
+        time.sleep(FAIL_AFTER_S)  # the runs of 3 and 4 are created by then
         raise ValueError("iteration 2 fails")
     return i
 
@@ -85,17 +88,54 @@ try:
 except ValueError:
     pass
 try:
-    print(json.dumps(flow_run_states("child")))
+    print(json.dumps({"states": flow_run_states("child"), "lost": LOST}))
 finally:
+    drain_prefect_clients()  # as the CLI does: logs sent after the server stops wait ~60 s
     server.stop()
 """
+FAILING_PARENT = START_SERVER + "LOST, FAIL_AFTER_S = [], 0" + FAILING_PARENT_BODY
 
 
 def test_a_failed_iteration_leaves_no_run_created_ahead(tmp_path):
     """Iteration 2 fails while the runs of iterations 3 and 4 exist already (``RUNS_AHEAD``):
     they are deleted, so the child runs are exactly 0, 1 (Completed) and 2 (Failed)."""
     stdout = _run(["-c", FAILING_PARENT], tmp_path)
-    assert json.loads(stdout.strip().splitlines()[-1]) == {"COMPLETED": 2, "FAILED": 1}, stdout
+    assert json.loads(stdout.strip().splitlines()[-1])["states"] == {"COMPLETED": 2, "FAILED": 1}, stdout
+
+
+# the prefetch thread's transport loses the server's answer to the first request of each kind
+# after the server has acted on it, as a request timing out does (``PREFECT_API_REQUEST_TIMEOUT``)
+LOSING_TRANSPORT = """
+import httpx
+import flows.prefetch
+
+LOST = []
+
+class LosingTransport(flows.prefetch.LockRetryTransport):
+    def handle_request(self, request):
+        response = super().handle_request(request)
+        kind = request.method + " " + ("set_state" if request.url.path.endswith("/set_state")
+                                       else request.url.path.split("/")[2])
+        if kind not in LOST and kind != "POST flows":
+            response.read()
+            LOST.append(kind)
+            raise httpx.ReadTimeout("the answer was lost", request=request)
+        return response
+
+flows.prefetch.LockRetryTransport = LosingTransport
+"""
+
+
+def test_a_request_sent_again_after_its_answer_was_lost_writes_once(tmp_path):
+    """Prefect's client sends a request again when its answer does not come in time
+    (``PREFECT_API_REQUEST_TIMEOUT``, 10 s in rlake's environment: a lost answer cost 60 s). A
+    creation, a state and a deletion sent twice by the prefetch thread leave the same runs as
+    sent once: no second run created ahead left Pending, no error for a run deleted twice."""
+    lose_answers = LOSING_TRANSPORT + "FAIL_AFTER_S = 8"  # two creations, each losing ~2 s
+    stdout = _run(["-c", START_SERVER + lose_answers + FAILING_PARENT_BODY], tmp_path)
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert {"POST flow_runs", "POST task_runs", "POST set_state", "DELETE flow_runs"} <= set(out["lost"]), out
+    assert out["states"] == {"COMPLETED": 2, "FAILED": 1}, stdout
 
 
 # each child leaves work running behind it (a commit: flows.steps.run_behind) that ends 1.5 s
