@@ -1,13 +1,17 @@
 """Multi-second stalls between iterations: run the quickstart's RL phase several times and, when
 no iteration ends for ``--stall-s`` seconds, dump every thread of the run's process and of its
-children (Prefect's server, the MLflow tracker, async mode's rollout process) while it lasts.
+children (Prefect's server, the MLflow tracker, async mode's rollout process) while it lasts:
+each thread's state as the kernel sees it (three samples 1 s apart: CPU ticks, ``wchan``, kernel
+stack), then the Python stacks.
 
     python bench/stalls.py --checkpoint CKPT [--runs 6] [--iterations 150] [--set mode=async ...]
 
-Found with it (2026-11-27, docs/operations.md, Async mode): about one iteration in ~900 ends
-~60 s late, the training loop waiting for a Prefect request the embedded server answers only
-after its SQLite busy timeout. Set ``PREFECT_SERVER_LOGGING_LEVEL=WARNING`` to see the server's
-errors (Prefect's ephemeral server, started for the first run, writes to this process's output).
+Found with it (2026-11-27, docs/operations.md, Async mode): about one iteration in ~1000 ends
+~60-75 s late, the training loop waiting for a Prefect request the server does not answer for
+that long (with a 10 s client timeout the request was sent again and again, unanswered).
+The runs share one embedded server, as a run of the CLI has (``infra.prefect_server``; its
+log is ``prefect/embedded-server.log`` in the homes' folder, removed at the end; set
+``PREFECT_SERVER_LOGGING_LEVEL=WARNING`` to see its errors there).
 
 Prints a line per run, then one JSON line: the runs' slowest iteration gaps and where their
 dumps are.
@@ -30,24 +34,62 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infra.affinity import child_pids  # noqa: E402
-from infra.env import configure_environment  # noqa: E402
+from infra.env import configure_environment, set_environment  # noqa: E402
+from infra.prefect_server import EmbeddedServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def thread_states(pids: list[int]) -> str:
+    """Each thread of ``pids`` as the kernel sees it: state (R running, S sleeping, D in I/O),
+    user and system CPU ticks, where it sleeps (``wchan``) and its kernel stack (as root). A
+    Python stack alone cannot tell a thread that computes from one the kernel holds."""
+    lines = []
+    for pid in pids:
+        for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                name = (task / "comm").read_text().strip()
+                wchan = (task / "wchan").read_text().strip()
+                try:
+                    stack = (task / "stack").read_text().strip().replace("\n", " | ")
+                except OSError:
+                    stack = "-"
+            except OSError:
+                continue
+            lines.append(f"{pid}/{task.name} {name!r} state {fields[0]} utime {fields[11]} "
+                         f"stime {fields[12]} wchan {wchan} stack {stack}")
+    return "\n".join(lines) + "\n"
+
+
 def dump_all(folder: Path) -> None:
-    """Every thread of this process (faulthandler) and of its children (``py-spy dump
-    --locals``, where py-spy is installed) into ``folder``."""
+    """Every thread of this process (faulthandler) and of its children (``thread_states``, then
+    5 s of ``py-spy record``, ``py-spy dump --native`` and ``--locals``, where py-spy is installed) into
+    ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "training_process.txt", "w") as out:
         faulthandler.dump_traceback(file=out, all_threads=True)
+    pids = [os.getpid(), *child_pids(os.getpid())]
+    with open(folder / "kernel_threads.txt", "w") as out:
+        for sample in range(3):  # 1 s apart: whose CPU ticks grow while nothing is answered
+            out.write(f"-- sample {sample}\n" + thread_states(pids))
+            out.flush()
+            time.sleep(1.0)
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    for pid in child_pids(os.getpid()):
+    records = [subprocess.Popen([py_spy, "record", "--duration", "5", "--rate", "50", "--format", "raw",
+                                 "--output", str(folder / f"record-{pid}.txt"), "--pid", str(pid)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for pid in pids[1:]]  # where each child's time goes while nothing is answered
+    for record in records:
+        record.wait(timeout=60)
+    for pid in pids[1:]:
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            dump = subprocess.run([py_spy, "dump", "--locals", "-p", str(pid)], capture_output=True,
-                                  text=True, timeout=60)
-            text = dump.stdout + dump.stderr
+            text = ""
+            for how in ("--native", "--locals"):  # C frames (a lock, a sleep), then Python's
+                dump = subprocess.run([py_spy, "dump", how, "-p", str(pid)], capture_output=True,
+                                      text=True, timeout=60)
+                text += f"== py-spy dump {how}\n" + dump.stdout + dump.stderr
         except (OSError, subprocess.SubprocessError) as err:
             command, text = f"pid {pid}", repr(err)
         (folder / f"child-{pid}.txt").write_text(command + "\n\n" + text)
@@ -56,13 +98,14 @@ def dump_all(folder: Path) -> None:
 def one_run(home: Path, iterations: int, checkpoint: str, overrides: list[str], stall_s: float,
             dumps: Path) -> dict:
     """One run of ``iterations`` from ``checkpoint``; the gaps between iterations' ends."""
-    from flows.rl import rl_run, set_reporter
     from infra.config import load_config
 
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", [
         f"home={home}", f"num_rollout={iterations}", f"eval.eval_interval={iterations + 1}",
         f"model.path={checkpoint}", "sft.enabled=false", *overrides])
     configure_environment(home, cfg.torch_threads)
+    from flows.rl import rl_run, set_reporter  # after: Prefect reads its settings at import
+
     ends: list[tuple[int, float]] = []
     done = threading.Event()
     stalls: list[str] = []
@@ -108,7 +151,11 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="folder for the dumps (default: a new one)")
     args = parser.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="rlake-stalls-"))
-    homes = Path(tempfile.mkdtemp(prefix="rlake-stalls-homes-"))  # Prefect's in the first one
+    homes = Path(tempfile.mkdtemp(prefix="rlake-stalls-homes-"))
+    set_environment(homes)  # before the server and Prefect's import: rlake's settings
+    server = EmbeddedServer.start(homes)  # the server a run of the CLI has, shared by the runs
+    if server is not None:
+        server.wait()
     results = []
     try:
         for run in range(args.runs):
@@ -118,6 +165,8 @@ def main() -> None:
             print(f"run {run}: slowest gaps {result['slowest']}, over 1 s: {result['over_1s']}"
                   + (f", dumps: {result['dumps']}" if result["dumps"] else ""), flush=True)
     finally:
+        if server is not None:
+            server.stop()
         shutil.rmtree(homes, ignore_errors=True)
     print(json.dumps({"bench": "stalls", "iterations": args.iterations, "runs": results,
                       "out": str(out)}))

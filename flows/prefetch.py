@@ -311,10 +311,11 @@ class FlowUpsertCache(httpx.BaseTransport):
 def create_flow_run_once(client: SyncPrefectClient, flow: Flow, parameters: dict[str, Any],
                          tags: set[str], parent_task_run_id: Any, state: State) -> FlowRun:
     """``client.create_flow_run`` with an idempotency key: Prefect's client sends a request again
-    when its answer does not come within ``PREFECT_API_REQUEST_TIMEOUT`` (``infra.env``), and a
-    creation that did land then made a second run, left Pending behind. The server answers a
-    creation with the key of one it has with that run instead (its tracking task run's
-    ``dynamic_key`` does the same for ``create_task_run``)."""
+    when its answer does not come within ``PREFECT_API_REQUEST_TIMEOUT`` (60 s; it happens: the
+    embedded server has gone ~60 s without answering, docs/operations.md), and a creation that
+    did land then made a second run, left Pending behind. The server answers a creation with the
+    key of one it has with that run instead (its tracking task run's ``dynamic_key`` does the
+    same for ``create_task_run``)."""
     from prefect.client.schemas.actions import FlowRunCreate
     from prefect.client.schemas.objects import FlowRunPolicy
     from prefect.states import to_state_create

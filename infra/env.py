@@ -45,11 +45,6 @@ OFFLINE_ENV = {
     # the server does not check CSRF tokens (its own setting is off by default), yet each new
     # client fetched one before its first write: a round trip on every subflow call
     "PREFECT_CLIENT_CSRF_SUPPORT_ENABLED": "false",
-    # a request whose answer never comes is sent again after this many seconds (Prefect's
-    # default: 60). About one iteration in ~900 waited for such a request and ended ~62 s late;
-    # with 10 s, none over 1 s in 6,000 iterations (bench/stalls.py, docs/operations.md). A
-    # creation sent twice makes one run (flows.prefetch.create_flow_run_once)
-    "PREFECT_API_REQUEST_TIMEOUT": "10",
     "PREFECT_UI_ENABLED": "false",
 }
 
@@ -59,6 +54,12 @@ def set_environment(home: str | Path, torch_threads: int = 1) -> Path:
     before anything slow (Prefect's server is spawned with this environment)."""
     home = Path(home).resolve()
     home.mkdir(parents=True, exist_ok=True)
+    unseen = [k for k in OFFLINE_ENV if k.startswith("PREFECT_") and k not in os.environ]
+    if unseen and "prefect.settings" in sys.modules:
+        # bench/stalls.py did this until 2026-11-27: its runs logged at INFO, fetched CSRF tokens
+        logging.getLogger(__name__).warning(
+            "Prefect was imported before rlake's environment was set: it keeps its defaults "
+            "for %s", ", ".join(unseen))
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
     os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))

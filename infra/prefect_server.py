@@ -137,7 +137,8 @@ class EmbeddedServer:
     startup (model, data, MLflow store) so the two overlap, instead of on the first flow call.
 
     The same server Prefect would start itself (uvicorn on ``create_app`` with Prefect's
-    ephemeral settings), with four differences: it starts early; a fresh home gets a ready
+    ephemeral settings), with five differences: its SQLite connections wait 5 s for a lock,
+    not 60 (``infra.prefect_app``: a server stuck that long was seen); it starts early; a fresh home gets a ready
     database from the cache (``infra.prefect_db``: no migrations, no block registration); it
     dies with this process
     (``PR_SET_PDEATHSIG``: a kill -9 of the run leaves no server behind; ``infra.recovery``
@@ -200,7 +201,7 @@ class EmbeddedServer:
         port = self.url.rsplit(":", 1)[1].split("/")[0]
         app_dir = Path(importlib.util.find_spec("prefect").submodule_search_locations[0]).parent
         cmd = [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory",
-               "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", port,
+               "infra.prefect_app:create_app", "--host", "127.0.0.1", "--port", port,
                "--log-level", "error", "--lifespan", "on"]
         env = {**os.environ, "PREFECT_HOME": str(self.phome), "PREFECT_UI_ENABLED": "0",
                "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}

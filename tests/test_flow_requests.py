@@ -128,7 +128,7 @@ flows.prefetch.LockRetryTransport = LosingTransport
 
 def test_a_request_sent_again_after_its_answer_was_lost_writes_once(tmp_path):
     """Prefect's client sends a request again when its answer does not come in time
-    (``PREFECT_API_REQUEST_TIMEOUT``, 10 s in rlake's environment: a lost answer cost 60 s). A
+    (``PREFECT_API_REQUEST_TIMEOUT``: it happened after the server answered nothing for ~60 s). A
     creation, a state and a deletion sent twice by the prefetch thread leave the same runs as
     sent once: no second run created ahead left Pending, no error for a run deleted twice."""
     lose_answers = LOSING_TRANSPORT + "FAIL_AFTER_S = 8"  # two creations, each losing ~2 s
@@ -425,3 +425,33 @@ def test_the_flow_upsert_before_each_flow_run_is_sent_once():
         ("/api/flows/", '{"name":"rl_iteration"}'), ("/api/flow_runs/", '{"flow_id":"f1"}'),
         ("/api/flows/", '{"name":"rollout_side"}'), ("/api/flow_runs/", '{"flow_id":"f1"}'),
         ("/api/flows/", '{"name":"rl_iteration"}')]
+
+
+BUSY_TIMEOUTS = """
+import sqlite3, sys
+from prefect.server.database.configurations import AioSqliteConfiguration
+from infra.prefect_app import shorten_busy_timeout
+
+def busy_timeout_ms():
+    conn = sqlite3.connect(sys.argv[1])
+    AioSqliteConfiguration(connection_url="sqlite+aiosqlite:///" + sys.argv[1]).setup_sqlite(conn, None)
+    return conn.execute("PRAGMA busy_timeout").fetchone()[0]
+
+before = busy_timeout_ms()
+shorten_busy_timeout()
+shorten_busy_timeout()  # once is enough: not wrapped twice
+print(json.dumps({"busy_timeout_ms": [before, busy_timeout_ms()], "command": server.proc.args}))
+server.stop()
+"""
+
+
+def test_the_embedded_servers_sqlite_waits_seconds_not_a_minute_for_a_lock(tmp_path):
+    """Prefect's server sets SQLite's busy timeout to 60 s on every connection; the embedded
+    server runs Prefect's app with 5 s set after Prefect's own set-up: a server whose
+    event loop was stuck behind a connection waiting for a lock stalled a run ~60 s."""
+    from infra.prefect_app import SQLITE_BUSY_TIMEOUT_MS
+
+    stdout = _run(["-c", START_SERVER + BUSY_TIMEOUTS, str(tmp_path / "server.db")], tmp_path)
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert out["busy_timeout_ms"] == [60000, SQLITE_BUSY_TIMEOUT_MS] and SQLITE_BUSY_TIMEOUT_MS < 60000
+    assert "infra.prefect_app:create_app" in out["command"]  # the server that answered runs it

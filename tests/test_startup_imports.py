@@ -91,3 +91,20 @@ def test_the_cli_ends_after_every_exit_handler_with_its_exit_code(tmp_path):
     plain = subprocess.run([sys.executable, "-c", "import sys, infra.cli; print('x'); sys.exit(3)"],
                            cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert (plain.returncode, plain.stdout) == (3, "x\n")
+
+
+def test_setting_the_environment_after_prefect_was_imported_is_reported(tmp_path):
+    """Prefect reads its settings when imported: rlake's (its batched server writers, no CSRF
+    token fetch, quiet logs) set afterwards do nothing, so ``set_environment`` says so (a bench
+    ran with Prefect's defaults this way, unnoticed); set first, it says nothing."""
+    def stderr_of(first_import: str) -> str:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        code = f"{first_import}; from infra.env import set_environment; set_environment({str(tmp_path)!r})"
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stderr
+
+    late = stderr_of("import prefect.settings")
+    assert "Prefect was imported before rlake's environment" in late and "PREFECT_CLIENT_CSRF" in late
+    assert "Prefect was imported" not in stderr_of("import json")
