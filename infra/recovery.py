@@ -22,7 +22,10 @@ import signal
 import time
 from pathlib import Path
 
+# in the command line of a Prefect API server: Prefect's own app (its temporary server, `prefect
+# server start`), the embedded server's (infra/prefect_app.py)
 SERVER_SIGNATURE = "prefect.server.api.server:create_app"
+SERVER_SIGNATURES = (SERVER_SIGNATURE, "infra.prefect_app:create_app")
 # the state name of a flow run created ahead of its iteration (flows/prefetch.py) and not started
 PREFETCHED = "Prefetched"
 
@@ -73,7 +76,7 @@ def prefect_servers(prefect_home: str | Path) -> list[int]:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         pid = int(entry.name)
-        if SERVER_SIGNATURE in _cmdline(pid) and pid_alive(pid):
+        if any(sign in _cmdline(pid) for sign in SERVER_SIGNATURES) and pid_alive(pid):
             env_home = _environ(pid).get("PREFECT_HOME")
             if env_home and str(Path(env_home).resolve()) == home:
                 found.append(pid)
