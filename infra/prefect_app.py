@@ -29,10 +29,8 @@ def shorten_busy_timeout(busy_timeout_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> None:
     for a lock (set after Prefect's own PRAGMAs on connect)."""
     from prefect.server.database.configurations import AioSqliteConfiguration
 
-    prefects = AioSqliteConfiguration.setup_sqlite
-    if getattr(prefects, "rlake_busy_timeout_ms", None) == busy_timeout_ms:
-        return
-    prefects = getattr(prefects, "__wrapped__", prefects)
+    current = AioSqliteConfiguration.setup_sqlite
+    prefects = getattr(current, "__wrapped__", current)  # called again: wrap Prefect's, not ours
 
     def setup_sqlite(self, conn: Any, record: Any) -> None:
         prefects(self, conn, record)
@@ -41,7 +39,6 @@ def shorten_busy_timeout(busy_timeout_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> None:
         cursor.close()
 
     setup_sqlite.__wrapped__ = prefects
-    setup_sqlite.rlake_busy_timeout_ms = busy_timeout_ms
     AioSqliteConfiguration.setup_sqlite = setup_sqlite
 
 

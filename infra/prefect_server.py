@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from infra import prefect_db
-from infra.recovery import SERVER_SIGNATURES, pid_alive, stop_processes
+from infra.recovery import EMBEDDED_APP, pid_alive, stop_processes
 
 STATE_FILE = "server.json"
 # the scheduler and the late-runs service look every few seconds instead of every minute, so a
@@ -201,7 +201,7 @@ class EmbeddedServer:
         port = self.url.rsplit(":", 1)[1].split("/")[0]
         app_dir = Path(importlib.util.find_spec("prefect").submodule_search_locations[0]).parent
         cmd = [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory",
-               SERVER_SIGNATURES[1], "--host", "127.0.0.1", "--port", port,
+               EMBEDDED_APP, "--host", "127.0.0.1", "--port", port,
                "--log-level", "error", "--lifespan", "on"]
         env = {**os.environ, "PREFECT_HOME": str(self.phome), "PREFECT_UI_ENABLED": "0",
                "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}

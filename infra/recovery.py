@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 
 # in the command line of a Prefect API server: Prefect's own app (its temporary server, `prefect
-# server start`), the embedded server's (infra/prefect_app.py)
+# server start`), the embedded server's (uvicorn's factory: infra/prefect_app.py)
 SERVER_SIGNATURE = "prefect.server.api.server:create_app"
-SERVER_SIGNATURES = (SERVER_SIGNATURE, "infra.prefect_app:create_app")
+EMBEDDED_APP = "infra.prefect_app:create_app"
+SERVER_SIGNATURES = (SERVER_SIGNATURE, EMBEDDED_APP)
 # the state name of a flow run created ahead of its iteration (flows/prefetch.py) and not started
 PREFETCHED = "Prefetched"
 
