@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.scratch import scratch_dir  # noqa: E402
+from bench.served import embedded_prefect  # noqa: E402
 from infra.env import configure_environment  # noqa: E402
 
 
@@ -107,7 +108,13 @@ def main() -> None:
     parser.add_argument("--home", type=Path, help="a new state folder, kept (default: a temporary one, removed at the end; a run id is never reused)")
     args = parser.parse_args()
     home = Path(args.home or scratch_dir("rlake-bench-async-")).resolve()
-    configure_environment(home)
+    with embedded_prefect(home):  # the server a run of the CLI has
+        configure_environment(home)
+        measure(args, home)
+
+
+def measure(args: argparse.Namespace, home: Path) -> None:
+    """The runs of ``main``'s arguments, one line each, then the JSON line."""
     checkpoint = args.checkpoint or warm_checkpoint(args.config, home / "warmup",
                                                     args.overrides)
     runs = []

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cpu import per_iteration_ms, process_tree_cpu  # noqa: E402
 from bench.scratch import scratch_dir  # noqa: E402
+from bench.served import embedded_prefect  # noqa: E402
 from infra.env import configure_environment  # noqa: E402
 
 # commit_wait: a sync iteration waiting for the previous one's commit, which ran behind while
@@ -125,7 +126,14 @@ def main() -> None:
     parser.add_argument("--no-generation", action="store_true",
                         help="skip the engine vs HF generate comparison")
     args = parser.parse_args()
-    configure_environment(scratch_dir("rlake-bench-env-"))
+    home = scratch_dir("rlake-bench-env-")
+    with embedded_prefect(home):  # the server a run of the CLI has
+        configure_environment(home)
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
+    """``main``'s figures: the lines, then the JSON line."""
     gen = {} if args.no_generation else engine_vs_generate()
     if gen:
         print(f"torch engine: {gen['engine_tokens_per_s']:.0f} tok/s, HF generate: "

@@ -33,9 +33,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.served import embedded_prefect  # noqa: E402
 from infra.affinity import child_pids  # noqa: E402
-from infra.env import configure_environment, set_environment  # noqa: E402
-from infra.prefect_server import EmbeddedServer  # noqa: E402
+from infra.env import configure_environment  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,21 +152,16 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="rlake-stalls-"))
     homes = Path(tempfile.mkdtemp(prefix="rlake-stalls-homes-"))
-    set_environment(homes)  # before the server and Prefect's import: rlake's settings
-    server = EmbeddedServer.start(homes)  # the server a run of the CLI has, shared by the runs
-    if server is not None:
-        server.wait()
     results = []
     try:
-        for run in range(args.runs):
-            results.append(one_run(homes / f"run-{run}", args.iterations, args.checkpoint,
-                                   args.overrides, args.stall_s, out / f"run-{run}"))
-            result = results[-1]
-            print(f"run {run}: slowest gaps {result['slowest']}, over 1 s: {result['over_1s']}"
-                  + (f", dumps: {result['dumps']}" if result["dumps"] else ""), flush=True)
+        with embedded_prefect(homes):  # the server a run of the CLI has, shared by the runs
+            for run in range(args.runs):
+                results.append(one_run(homes / f"run-{run}", args.iterations, args.checkpoint,
+                                       args.overrides, args.stall_s, out / f"run-{run}"))
+                result = results[-1]
+                print(f"run {run}: slowest gaps {result['slowest']}, over 1 s: {result['over_1s']}"
+                      + (f", dumps: {result['dumps']}" if result["dumps"] else ""), flush=True)
     finally:
-        if server is not None:
-            server.stop()
         shutil.rmtree(homes, ignore_errors=True)
     print(json.dumps({"bench": "stalls", "iterations": args.iterations, "runs": results,
                       "out": str(out)}))
