@@ -1,0 +1,87 @@
+"""The embedded Prefect server's SQLite fixes (infra/prefect_app.py), on real SQLite and aiosqlite.
+
+The ~60 s stall (docs/operations.md): an INSERT that fails "database is locked" leaves its
+aiosqlite cursor unclosed; freed later on the event loop's thread while that connection's own
+thread waits in SQLite's busy handler, the free blocks until the wait ends, and the lock it waits
+for belongs to a transaction the (blocked) event loop drives.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+# The deadlock, small: a second connection ("holder") keeps the write lock until the event loop
+# says it has freed the errored cursor (or, deadlocked, until HOLD_LIMIT_S); meanwhile the
+# cursor's connection waits for that lock in SQLite's busy handler. Prints what happened.
+DEADLOCK = r"""
+import asyncio, gc, json, os, sqlite3, sys, tempfile, threading, time
+import aiosqlite
+from infra.prefect_app import close_dropped_cursors_on_their_thread
+if sys.argv[1] == "fixed":
+    close_dropped_cursors_on_their_thread()
+HOLD_LIMIT_S = 10.0
+db = os.path.join(tempfile.mkdtemp(), "t.db")
+setup = sqlite3.connect(db)
+setup.execute("PRAGMA journal_mode=WAL")
+setup.execute("CREATE TABLE t (v INTEGER PRIMARY KEY, w)")
+setup.executemany("INSERT INTO t (w) VALUES (?)", [(i,) for i in range(3)])
+setup.commit()
+setup.close()
+
+def write_elsewhere():
+    other = sqlite3.connect(db, isolation_level=None)
+    other.execute("INSERT INTO t (w) VALUES (0)")
+    other.close()
+
+async def main():
+    conn = await aiosqlite.connect(db, isolation_level=None, timeout=2 * HOLD_LIMIT_S)
+    # Prefect's pattern: a read, someone else writes, then this transaction's INSERT fails at once
+    errored = await conn.cursor()
+    await errored.execute("BEGIN")
+    await errored.execute("SELECT * FROM t")
+    await errored.fetchone()
+    write_elsewhere()
+    try:
+        await errored.execute("INSERT INTO t (w) VALUES (1)")
+        raise SystemExit("the INSERT did not fail")
+    except sqlite3.OperationalError as err:
+        assert "locked" in str(err), err
+    await conn.execute("ROLLBACK")
+
+    freed, released = threading.Event(), {}
+    holder = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    holder.execute("INSERT INTO t (w) VALUES (2)")
+    def hold():
+        released["by"] = "the freed cursor" if freed.wait(HOLD_LIMIT_S) else "the time limit"
+        holder.execute("COMMIT")
+    threading.Thread(target=hold).start()
+    waiting = asyncio.ensure_future(conn.execute("INSERT INTO t (w) VALUES (3)"))  # busy handler
+    await asyncio.sleep(0.5)  # its thread is in the busy handler by now
+    del errored
+    gc.collect()
+    freed.set()
+    await waiting
+    rows = await (await conn.execute("SELECT count(*) FROM t")).fetchone()
+    await conn.close()
+    print(json.dumps({"released_by": released["by"], "rows": rows[0]}))
+
+asyncio.run(main())
+"""
+
+
+def _deadlock(mode: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", DEADLOCK, mode], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_dropped_errored_cursor_is_closed_on_its_connections_thread_not_the_event_loops():
+    """With the fix, freeing the cursor on the event loop returns at once: the lock's holder is
+    released by it, and the waiting INSERT lands (3 rows, then one each from the other writer, the holder and the waiter)."""
+    assert _deadlock("fixed") == {"released_by": "the freed cursor", "rows": 6}
