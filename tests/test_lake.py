@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from datetime import UTC, datetime
 
 import pyarrow as pa
@@ -110,7 +111,11 @@ def test_read_filters_and_columns(lake):
 
 def test_time_travel_by_version_and_timestamp(lake):
     v0 = lake.append_trajectories(synthetic_rows("r", 0, 8))
+    # a commit's time is its log file's mtime, stamped from the kernel's coarse clock (one tick,
+    # up to 10 ms, behind datetime.now): a commit within a tick after `between` read as before it
+    time.sleep(0.05)
     between = datetime.now(UTC)
+    time.sleep(0.05)
     v1 = lake.append_trajectories(synthetic_rows("r", 1, 8))
     assert v1 == v0 + 1
     assert lake.read("trajectories", as_of=v0).num_rows == 8
