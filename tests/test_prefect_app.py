@@ -3,12 +3,15 @@
 The ~60 s stall (docs/operations.md): an INSERT that fails "database is locked" leaves its
 aiosqlite cursor unclosed; freed later on the event loop's thread while that connection's own
 thread waits in SQLite's busy handler, the free blocks until the wait ends, and the lock it waits
-for belongs to a transaction the (blocked) event loop drives.
+for belongs to a transaction the (blocked) event loop drives. Seen with Python 3.11's ``sqlite3``
+(3.11.7, SQLite 3.40.1: what rlake runs on); with 3.12.3 and SQLite 3.45.1 (a GPU machine,
+2026-11-27) freeing the errored cursor does not wait, and the script ends either way.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -75,8 +78,10 @@ asyncio.run(main())
 
 
 def _deadlock(mode: str) -> dict:
+    # the caller's path after the repository's: a GPU machine brings aiosqlite on PYTHONPATH
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     out = subprocess.run([sys.executable, "-c", DEADLOCK, mode], cwd=REPO, capture_output=True,
-                         text=True, timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": path})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
