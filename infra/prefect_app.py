@@ -28,10 +28,10 @@ takes its connection's mutex; if that connection's own thread is meanwhile insid
 handler waiting for a lock, the mutex is held for the whole wait, and the lock's holder is
 driven by the event loop now blocked: the deadlock. ``close_dropped_cursors_on_their_thread``
 makes a dropped, unclosed aiosqlite cursor hand its ``sqlite3`` cursor to its connection's own
-thread to close, so the event loop never touches SQLite. (Python 3.11's ``sqlite3``; with 3.12
-and SQLite 3.45 such a free does not wait: the fix is then a no-op in effect.) Counted with a probe (150-iteration
+thread to close, so the event loop never touches SQLite. Counted with a probe (150-iteration
 sync runs, `bench/stalls.py`): 4-8 such cursors a run, every one freed on the event loop's
-thread.
+thread. (Python 3.11's ``sqlite3``, rlake's; with 3.12 and SQLite 3.45 such a free does not
+wait, and the fix changes nothing there.)
 """
 
 from __future__ import annotations
