@@ -6,9 +6,11 @@ stack), then the Python stacks.
 
     python bench/stalls.py --checkpoint CKPT [--runs 6] [--iterations 150] [--set mode=async ...]
 
-Found with it (2026-11-27, docs/operations.md, Async mode): about one iteration in ~1000 ends
-~60-75 s late, the training loop waiting for a Prefect request the server does not answer for
-that long (with a 10 s client timeout the request was sent again and again, unanswered).
+Found with it (2026-11-27, docs/operations.md, Async mode): about one iteration in ~1000 ended
+~60-75 s late, the training loop waiting for a Prefect request the server did not answer for
+that long: its event loop was blocked freeing an errored aiosqlite cursor whose connection
+waited in SQLite's busy handler (fixed in infra/prefect_app.py; no gap over 1 s in 40 runs
+since, at Prefect's own 60 s busy timeout).
 The runs share one embedded server, as a run of the CLI has (``infra.prefect_server``; its
 log is ``prefect/embedded-server.log`` in the homes' folder, removed at the end; set
 ``PREFECT_SERVER_LOGGING_LEVEL=WARNING`` to see its errors there).
