@@ -1,20 +1,20 @@
 """The Prefect server a bench's runs use: the one a run of the CLI has.
 
 ``flows.rl.rl_run`` called from a script without ``PREFECT_API_URL`` gets Prefect's own
-temporary server, which differs from rlake's embedded one (``infra.prefect_server``): SQLite's
-60 s busy timeout instead of 5 s (docs/operations.md: the 60 s stall), no template database,
-and it outlives a killed bench. The benches start rlake's instead, shared by their runs.
+temporary server, which differs from rlake's embedded one (``infra.prefect_server``): Prefect's
+own app, without ``infra.prefect_app``'s fix of the 60 s stall (docs/operations.md), no
+template database, and it outlives a killed bench. The benches start rlake's instead, shared by their runs.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from infra.env import set_environment
 from infra.prefect_server import EmbeddedServer
+from infra.startup import drain_prefect_clients_if_used
 
 
 @contextmanager
@@ -30,8 +30,5 @@ def embedded_prefect(home: str | Path) -> Iterator[None]:
         yield
     finally:
         if server is not None:
-            if "flows.durability" in sys.modules:  # a run used Prefect: its clients may hold records
-                from flows.durability import drain_prefect_clients
-
-                drain_prefect_clients()  # while the server still answers
+            drain_prefect_clients_if_used()  # while the server still answers
             server.stop()

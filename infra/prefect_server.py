@@ -137,8 +137,9 @@ class EmbeddedServer:
     startup (model, data, MLflow store) so the two overlap, instead of on the first flow call.
 
     The same server Prefect would start itself (uvicorn on ``create_app`` with Prefect's
-    ephemeral settings), with five differences: its SQLite connections wait 5 s for a lock,
-    not 60 (``infra.prefect_app``: a server stuck that long was seen); it starts early; a fresh home gets a ready
+    ephemeral settings), with five differences: its app (``infra.prefect_app``) closes an
+    unclosed SQLite cursor on its connection's own thread and waits 5 s for a lock, not 60
+    (together: no ~60 s deadlock of its event loop); it starts early; a fresh home gets a ready
     database from the cache (``infra.prefect_db``: no migrations, no block registration); it
     dies with this process
     (``PR_SET_PDEATHSIG``: a kill -9 of the run leaves no server behind; ``infra.recovery``

@@ -308,7 +308,7 @@ def prefect_served(cfg: RunConfig, run_id: str, meanwhile: Callable[[], None]) -
             watch.stop()
         _close_unused_runtime(run_id)
         if server is not None:
-            _drain_prefect_clients()  # while the server still answers
+            drain_prefect_clients_if_used()  # while the server still answers
             server.stop()
 
 
@@ -334,7 +334,9 @@ def server_lost(what: str, run_id: str, cfg: RunConfig) -> None:
     os._exit(SERVER_LOST_EXIT)
 
 
-def _drain_prefect_clients() -> None:
+def drain_prefect_clients_if_used() -> None:
+    """Let Prefect's clients send the records they hold, where this process used Prefect (before
+    its server stops)."""
     if "flows.durability" in sys.modules:  # Prefect was used: its client may hold records
         from flows.durability import drain_prefect_clients
 

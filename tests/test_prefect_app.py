@@ -88,5 +88,6 @@ def _deadlock(mode: str) -> dict:
 
 def test_a_dropped_errored_cursor_is_closed_on_its_connections_thread_not_the_event_loops():
     """With the fix, freeing the cursor on the event loop returns at once: the lock's holder is
-    released by it, and the waiting INSERT lands (3 rows, then one each from the other writer, the holder and the waiter)."""
+    released by it, and the waiting INSERT lands (3 rows, then one each from the other writer,
+    the holder and the waiter)."""
     assert _deadlock("fixed") == {"released_by": "the freed cursor", "rows": 6}
