@@ -124,10 +124,12 @@ def rollout_process_main(spec: dict[str, Any], inbox, outbox) -> None:
 
         from flows.prefetch import untagged
         from infra.config import config_from_dict
+        from infra.env import freeze_startup_heap
         from infra.sides import open_rollout_side
 
         cfg = config_from_dict(spec["config"])
         side = open_rollout_side(cfg, spec["run_id"], spec["version"])
+        freeze_startup_heap()
         outbox.put(("ready", side.next_batch))
         mailbox = Mailbox(inbox, spec["parent_pid"])
 

@@ -121,9 +121,11 @@ def serve(home: str, requests_fd: str, replies_fd: str) -> None:
     requests = Connection(int(requests_fd), writable=False)
     replies = Connection(int(replies_fd), readable=False)
     try:
+        from infra.env import freeze_startup_heap
         from infra.tracking import Tracker
 
         tracker, broken = Tracker(home), None
+        freeze_startup_heap()
     except Exception as err:  # noqa: BLE001 - every request answers with it
         tracker, broken = None, f"the tracker could not start: {type(err).__name__}: {err}"
     failed = None  # the first error of a call nobody waited for: the next flush raises it

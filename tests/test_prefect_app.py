@@ -1,4 +1,5 @@
-"""The embedded Prefect server's SQLite fixes (infra/prefect_app.py), on real SQLite and aiosqlite.
+"""The embedded Prefect server's SQLite fixes (infra/prefect_app.py), on real SQLite and aiosqlite;
+and its start-up heap taken out of the garbage collector's full collections.
 
 The ~60 s stall (docs/operations.md): an INSERT that fails "database is locked" leaves its
 aiosqlite cursor unclosed; freed later on the event loop's thread while that connection's own
@@ -77,13 +78,18 @@ asyncio.run(main())
 """
 
 
-def _deadlock(mode: str) -> dict:
+def _script_result(script: str, *args: str) -> dict:
+    """Run ``script`` in a fresh Python; the JSON its last line prints."""
     # the caller's path after the repository's: a GPU machine brings aiosqlite on PYTHONPATH
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    out = subprocess.run([sys.executable, "-c", DEADLOCK, mode], cwd=REPO, capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": path})
+    out = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _deadlock(mode: str) -> dict:
+    return _script_result(DEADLOCK, mode)
 
 
 def test_a_dropped_errored_cursor_is_closed_on_its_connections_thread_not_the_event_loops():
@@ -91,3 +97,26 @@ def test_a_dropped_errored_cursor_is_closed_on_its_connections_thread_not_the_ev
     released by it, and the waiting INSERT lands (3 rows, then one each from the other writer,
     the holder and the waiter)."""
     assert _deadlock("fixed") == {"released_by": "the freed cursor", "rows": 6}
+
+
+FROZEN = r"""
+import gc, json, sys
+from infra.env import freeze_startup_heap
+from infra.prefect_app import create_app
+before = gc.get_freeze_count()
+create_app()
+after_app = gc.get_freeze_count()
+freeze_startup_heap()  # a second start-up in the process (another run) freezes nothing more
+print(json.dumps({"before": before, "after_app": after_app, "again": gc.get_freeze_count()}))
+"""
+
+
+def test_the_embedded_servers_start_up_heap_is_frozen_once():
+    """The server's app factory takes what Prefect's server made while starting out of the full
+    garbage collections (infra.env.freeze_startup_heap: ~10% of its CPU in async mode); a second
+    start-up in the same process freezes nothing more (an earlier run's garbage stays
+    collectable)."""
+    counts = _script_result(FROZEN)
+    assert counts["before"] == 0
+    assert counts["after_app"] > 100_000  # Prefect's server, its models and routes
+    assert counts["again"] == counts["after_app"]
