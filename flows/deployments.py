@@ -28,7 +28,7 @@ from prefect import flow
 from buffer import Lake
 from flows.maintenance import lake_maintenance
 from flows.rl import rl_run
-from infra.config import config_from_dict
+from infra.config import ConfigError, RunConfig, config_differences, config_from_dict
 from infra.recovery import run_owner
 
 MAINTENANCE = "lake-maintenance"
@@ -42,6 +42,7 @@ def scheduled_run(config: dict, run_id: str) -> dict:
     nothing (it is complete)."""
     cfg = config_from_dict(config)
     row = Lake(cfg.resolved_lake_uri, cfg.storage_options or None).get_run(run_id)
+    check_recorded_config(cfg, run_id, row)
     if row is not None and row["status"] == "completed":
         return {"run_id": run_id, "status": "completed", "action": "none"}
     owner = run_owner(Path(cfg.home).resolve() / "runs" / run_id)
@@ -49,6 +50,22 @@ def scheduled_run(config: dict, run_id: str) -> dict:
         return {"run_id": run_id, "status": "running", "action": f"none (process {owner} runs it)"}
     summary = rl_run(config, run_id=run_id, resume=row is not None)
     return {**summary, "action": "resumed" if row is not None else "started"}
+
+
+def check_recorded_config(cfg: RunConfig, run_id: str, row: dict | None) -> None:
+    """Refuse a deployment whose run the lake holds (``row``) with another config: it would be
+    continued with the config it was started with (a resume reads it from the lake), and the
+    deployment's own would be ignored without a word (e.g. ``--run-id`` naming a run started
+    by ``rlake run``)."""
+    if row is None:
+        return
+    differences = config_differences(config_from_dict(json.loads(row["config"])), cfg)
+    if differences:
+        shown = "; ".join(differences[:5]) + (f"; and {len(differences) - 5} more"
+                                              if len(differences) > 5 else "")
+        raise ConfigError(f"run '{run_id}' is in the lake with another config (recorded -> "
+                          f"deployment's: {shown}); a deployment continues a run with the config "
+                          "it was started with: name another run (--run-id) or deploy that config")
 
 
 def spec_dir(home: str | Path) -> Path:

@@ -405,3 +405,23 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of config keys")
     return config_from_dict(apply_overrides(data, overrides or []))
+
+
+def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_differences(recorded: RunConfig, wanted: RunConfig,
+                       ignore: tuple[str, ...] = ("home", "run_id")) -> list[str]:
+    """``key: recorded -> wanted`` for every dotted key whose value differs between two
+    configs, except the top-level keys in ``ignore`` (where a run's folder and name are
+    given apart from its config)."""
+    old, new = _flat(recorded.model_dump()), _flat(wanted.model_dump())
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(old.keys() | new.keys())
+            if key.split(".")[0] not in ignore and old.get(key) != new.get(key)]

@@ -115,9 +115,15 @@ def register(app: typer.Typer, debug: Callable[[], bool] = lambda: False) -> Non
         from infra.config import load_config
 
         cfg = load_config(config, set_ or [])
-        from flows.deployments import save_spec
+        from flows.deployments import check_recorded_config, save_spec
 
         run = run_id or cfg.run_id or name
+        from buffer import Lake
+
+        row = Lake(cfg.resolved_lake_uri, cfg.storage_options or None).get_run(run)
+        check_recorded_config(cfg, run, row)  # fail now, not at every tick
+        if row is not None and row["status"] == "completed":
+            console.print(f"[yellow]run {run} is complete: the deployment's ticks will do nothing[/]")
         path = save_spec(cfg.home, name, cfg.model_dump(), run, cron, interval)
         when = f"cron '{cron}'" if cron else f"every {interval:g} s"
         console.print(f"deployment [bold]{name}[/] (run {run}, {when}) recorded in {path}")

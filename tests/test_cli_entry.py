@@ -132,6 +132,32 @@ def test_deploy_cron_validation(tmp_path):
     assert res.returncode == 0 and "cron '0 3 * * *'" in res.stdout
 
 
+def test_deploy_refuses_a_run_the_lake_holds_with_another_config(tmp_path):
+    """A deployment continues its run with the config the run was started with (a resume reads
+    it from the lake): ``--run-id`` naming a run started with another config is refused when
+    deployed, naming the keys, and so is a tick of a deployment recorded before (the flow);
+    the run's own config deploys."""
+    from flows.deployments import scheduled_run
+    from infra.config import ConfigError, load_config
+
+    home = tmp_path / "home"
+    started = load_config("configs/quickstart.yaml", [f"home={home}", "trainer.lr=0.001"])
+    Lake(str(home / "lake")).upsert_run({"run_id": "elsewhere", "status": "running",
+                                         "config": started.model_dump_json()})
+    args = ["deploy", "configs/quickstart.yaml", "--name", "nightly", "--cron", "0 3 * * *",
+            "--run-id", "elsewhere", "--set", f"home={home}"]
+    res = rlake(*args, "--set", "num_rollout=7")
+    assert res.returncode == 1, res.stdout
+    assert "run 'elsewhere' is in the lake with another config" in res.stderr
+    assert "num_rollout: 100 -> 7; trainer.lr: 0.001 -> 0.0003" in res.stderr, res.stderr
+    assert not (home / "deployments").exists()
+    with pytest.raises(ConfigError, match="trainer.lr: 0.001 -> 0.0003"):
+        scheduled_run.fn(load_config("configs/quickstart.yaml", [f"home={home}"]).model_dump(),
+                         "elsewhere")
+    res = rlake(*args, "--set", "trainer.lr=0.001")
+    assert res.returncode == 0 and (home / "deployments" / "nightly.json").exists(), res.stderr
+
+
 # ---- rlake ui -------------------------------------------------------------------------------
 
 def _children(pid: int) -> list[int]:
