@@ -27,7 +27,6 @@ from flows.durability import register_version
 from flows.guards import check_rewards
 from flows.prefetch import IterationRuns, ahead, final_state_held
 from infra.checkpoints import checkpoint_due
-from infra.env import freeze_startup_heap
 from infra.faults import AFTER_APPEND_POINTS, POST_COMMIT_POINTS, fault_armed, fault_join, fault_point
 from infra.runtime import Runtime
 from tasks.lake import read_training_slice, record_train_step
@@ -147,7 +146,6 @@ def run_iterations(rt: Runtime, iteration_flow, reporter: Callable[[str, dict], 
         def parameters(i: int) -> dict:
             return {"run_id": rt.run_id, "iteration": i}
 
-    freeze_startup_heap()  # the model, engines, clients: made once, kept for the run
     with IterationRuns(iteration_flow, hold=lambda: rt.pending_commit, nested=nested) as runs:
         try:
             for iteration in range(rt.start_iteration, stop):

@@ -87,18 +87,22 @@ def configure_environment(home: str | Path, torch_threads: int = 1) -> Path:
     return home
 
 
-def freeze_startup_heap() -> None:
-    """Exempt what a long-lived process made while starting (modules, the model, Prefect's and
-    MLflow's machinery: ~350k objects in Prefect's server) from the garbage collector's full
-    collections, which otherwise walk all of it again every few hundred requests or
-    iterations. Measured 2026-11-27 in async mode: full collections took ~10% of the embedded
-    server's CPU and ~3% of the training and rollout processes'; with the heap frozen, the CPU
-    per iteration of the run's processes fell ~5% (docs/operations.md). Once per process: a
-    process running several runs (tests, a notebook) freezes only its first start-up, so
-    garbage left by an earlier run is not made permanent. Objects made later are collected as
-    before, and a frozen object is still freed when its last reference goes (only cycles among
-    frozen objects stay)."""
+def freeze_startup_heap(collect: bool = True) -> None:
+    """Exempt what a long-lived process made while starting (modules, Prefect's and MLflow's
+    machinery: ~350k objects in Prefect's server; the engine's model) from the garbage
+    collector's full collections, which otherwise walk all of it again every few hundred
+    requests or iterations: ~10% of the embedded server's CPU in async mode (2026-11-27,
+    docs/operations.md).
+
+    ``collect`` first where garbage may hold something large: a cycle frozen is never freed
+    (a model's tensors, on a GPU, among it). A process that holds no model (the server, the
+    tracker) freezes at once: its start-up garbage is a few import-time objects. (The run's
+    own process does not freeze: collecting first cost it 0.4 s of start-up, about what the
+    freeze saves it over 100 iterations.) Once per process. Objects made later are collected
+    as before, and a frozen object whose last reference goes is still freed."""
     import gc
 
     if gc.get_freeze_count() == 0:
+        if collect:
+            gc.collect()
         gc.freeze()

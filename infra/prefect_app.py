@@ -100,5 +100,5 @@ def create_app() -> Any:
     from prefect.server.api.server import create_app as prefects_create_app
 
     app = prefects_create_app()
-    freeze_startup_heap()
+    freeze_startup_heap(collect=False)  # on the path of the server's start
     return app

@@ -125,7 +125,7 @@ def serve(home: str, requests_fd: str, replies_fd: str) -> None:
         from infra.tracking import Tracker
 
         tracker, broken = Tracker(home), None
-        freeze_startup_heap()
+        freeze_startup_heap(collect=False)
     except Exception as err:  # noqa: BLE001 - every request answers with it
         tracker, broken = None, f"the tracker could not start: {type(err).__name__}: {err}"
     failed = None  # the first error of a call nobody waited for: the next flush raises it

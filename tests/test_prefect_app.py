@@ -100,23 +100,35 @@ def test_a_dropped_errored_cursor_is_closed_on_its_connections_thread_not_the_ev
 
 
 FROZEN = r"""
-import gc, json, sys
+import gc, json, sys, weakref
 from infra.env import freeze_startup_heap
 from infra.prefect_app import create_app
+gc.disable()  # no collection of the collector's own in between
 before = gc.get_freeze_count()
 create_app()
 after_app = gc.get_freeze_count()
 freeze_startup_heap()  # a second start-up in the process (another run) freezes nothing more
-print(json.dumps({"before": before, "after_app": after_app, "again": gc.get_freeze_count()}))
+again = gc.get_freeze_count()
+gc.unfreeze()
+class Node:
+    pass
+garbage = Node()
+garbage.self = garbage  # a cycle only the collector frees
+garbage = weakref.ref(garbage)
+freeze_startup_heap()  # a process with a model: collect first
+print(json.dumps({"before": before, "after_app": after_app, "again": again,
+                  "garbage_freed": garbage() is None, "frozen": gc.get_freeze_count()}))
 """
 
 
 def test_the_embedded_servers_start_up_heap_is_frozen_once():
     """The server's app factory takes what Prefect's server made while starting out of the full
     garbage collections (infra.env.freeze_startup_heap: ~10% of its CPU in async mode); a second
-    start-up in the same process freezes nothing more (an earlier run's garbage stays
-    collectable)."""
+    start-up in the same process freezes nothing more; a process holding a model collects its
+    garbage first (a frozen cycle is never freed)."""
     counts = _script_result(FROZEN)
     assert counts["before"] == 0
     assert counts["after_app"] > 100_000  # Prefect's server, its models and routes
     assert counts["again"] == counts["after_app"]
+    assert counts["garbage_freed"], "garbage made before the freeze would stay forever"
+    assert counts["frozen"] > 100_000
