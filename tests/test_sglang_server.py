@@ -209,14 +209,32 @@ def test_router_and_given_urls(engine, ckpts, tmp_path):
     assert all(w.server.alive() for w in engine.workers)  # not ours to stop
 
 
+def started_on_both(engine: SGLangEngine, prompts: list[list[int]], sampling: SamplingParams,
+                    attempts: int = 10):
+    """A batch of ``prompts`` seen in flight on both servers at once. On a loaded machine a
+    batch can finish before the test's thread looks (CI, 2026-11-27: the wait for both then
+    lasted until the hang guard), so a batch that finished unseen is started again (a bound on
+    attempts, not a timing)."""
+    first, second = engine.workers
+    for _ in range(attempts):
+        batch = engine.start(prompts, sampling)
+        guard = time.monotonic() + HANG_GUARD_S
+        while not all(f.done() for f in batch.futures):
+            if first.inflight > 0 and second.inflight > 0:
+                return batch
+            assert time.monotonic() < guard, "hang guard: the batch neither finished nor ran on both"
+            time.sleep(0.01)
+        batch.results()
+    raise AssertionError(f"none of {attempts} batches was seen in flight on both servers")
+
+
 def test_dead_and_hung_servers_are_restarted_and_batch_completes(engine, ckpts):
     """Mid-rollout, server 0 is killed (SIGKILL to its process group) and server 1 hangs
     (SIGSTOP): the monitors restart both at the current weight version, the lost requests are
     re-issued, and the batch completes with every sample."""
     dead, hung = engine.workers
     prompts = PROMPTS * 8
-    batch = engine.start(prompts, SamplingParams(max_new_tokens=32, temperature=1.0))
-    wait_until(lambda: dead.inflight > 0 and hung.inflight > 0, "requests never reached both servers")
+    batch = started_on_both(engine, prompts, SamplingParams(max_new_tokens=32, temperature=1.0))
     os.killpg(dead.server.pid, signal.SIGKILL)
     os.killpg(hung.server.pid, signal.SIGSTOP)
     results = batch.results()
