@@ -45,7 +45,7 @@ from flows.steps import (
     settle_commit,
     train_and_commit,
 )
-from infra.config import RunConfig, config_from_dict
+from infra.config import RunConfig, config_from_dict, flat_config
 from infra.faults import fault_point, set_iteration
 from infra.recovery import run_tag
 from infra.runtime import Runtime, runtime_for
@@ -202,13 +202,4 @@ def has_eval(rt: Runtime, version: int) -> bool:
 
 
 def _flat_params(cfg: RunConfig) -> dict[str, str]:
-    out: dict[str, str] = {}
-
-    def walk(prefix: str, node) -> None:
-        for key, value in node.items():
-            if isinstance(value, dict):
-                walk(f"{prefix}{key}.", value)
-            else:
-                out[f"{prefix}{key}"] = str(value)
-    walk("", cfg.model_dump())
-    return out
+    return {key: str(value) for key, value in flat_config(cfg).items()}

@@ -407,13 +407,17 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return config_from_dict(apply_overrides(data, overrides or []))
 
 
-def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flat_config(cfg: RunConfig) -> dict[str, Any]:
+    """Every value of ``cfg`` under its dotted key (``trainer.lr``), sections in their order."""
     out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
+
+    def walk(prefix: str, node: dict[str, Any]) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(f"{prefix}{key}.", value)
+            else:
+                out[f"{prefix}{key}"] = value
+    walk("", cfg.model_dump())
     return out
 
 
@@ -422,6 +426,6 @@ def config_differences(recorded: RunConfig, wanted: RunConfig,
     """``key: recorded -> wanted`` for every dotted key whose value differs between two
     configs, except the top-level keys in ``ignore`` (where a run's folder and name are
     given apart from its config)."""
-    old, new = _flat(recorded.model_dump()), _flat(wanted.model_dump())
+    old, new = flat_config(recorded), flat_config(wanted)
     return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(old.keys() | new.keys())
             if key.split(".")[0] not in ignore and old.get(key) != new.get(key)]

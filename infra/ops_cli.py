@@ -116,11 +116,10 @@ def register(app: typer.Typer, debug: Callable[[], bool] = lambda: False) -> Non
 
         cfg = load_config(config, set_ or [])
         from flows.deployments import check_recorded_config, save_spec
+        from infra.startup import get_run_row, open_lake
 
         run = run_id or cfg.run_id or name
-        from buffer import Lake
-
-        row = Lake(cfg.resolved_lake_uri, cfg.storage_options or None).get_run(run)
+        row = get_run_row(open_lake(cfg), cfg, run)
         check_recorded_config(cfg, run, row)  # fail now, not at every tick
         if row is not None and row["status"] == "completed":
             console.print(f"[yellow]run {run} is complete: the deployment's ticks will do nothing[/]")
