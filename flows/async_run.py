@@ -200,8 +200,11 @@ def train_iteration(rt: Runtime, producer: RolloutProcess, iteration: int) -> di
     # the rollout side's own phase times, kept apart from the training side's time/*
     stats = {k.replace("time/", "rollout/time_"): v for k, v in stats.items()}
     evaluating = eval_due(rt, iteration + 1, rt.cfg.num_rollout)
+    # the engine here only evaluates: it takes the weights when it does (the rollout side's
+    # are handed off below), not a copy every iteration
     metrics = train_and_commit(rt, iteration, base_version, stats, timings, read_slice=reader,
-                               behind=commits_behind(rt, iteration, evaluating))
+                               behind=commits_behind(rt, iteration, evaluating),
+                               engine_current=evaluating)
     if iteration + 1 < rt.cfg.num_rollout:  # the rollout side has no batch left after
         # "committed" follows the commit (behind): what the rollout side generates with these
         # weights reaches the lake only then, never with a version a crash takes back

@@ -74,7 +74,8 @@ def train_step_row(rt: Runtime, iteration: int, base_version: int, new_version: 
 def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_stats: dict[str, float],
                      timings: dict[str, float],
                      read_slice: Callable[[Runtime, int], tuple[pa.Table, LakeVersion]] = read_training_slice,
-                     total: int | None = None, behind: bool = False) -> dict[str, float]:
+                     total: int | None = None, behind: bool = False,
+                     engine_current: bool = True) -> dict[str, float]:
     """Train on the slice ``read_slice(rt, base_version)`` and commit the new version; returns
     the iteration's metrics (rollout_stats + train/* + staleness/* + weight_version). The slice
     comes with the trajectories version it was read at, or a call that gives it once the rows'
@@ -86,7 +87,11 @@ def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_sta
 
     ``behind``: the commit (``commit_step``) runs on its own thread while the caller goes on
     (``run_behind``; ``rt.pending_commit`` holds it until ``settle_commit``), so a sync run's
-    next iteration generates while this one commits."""
+    next iteration generates while this one commits.
+
+    ``engine_current`` False: this process's engine is not given the new weights (async mode's
+    training side, whose engine only evaluates: it is given them when it does); with no
+    checkpoint due either, there is nothing to publish."""
     with phase(timings, "slice_read"):
         training_slice, lake_version = read_slice(rt, base_version)
     if callable(lake_version) and any(fault_armed(p) for p in AFTER_APPEND_POINTS):
@@ -105,7 +110,7 @@ def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_sta
         # pruned by the commit (commit_step), which knows the committed version: here it was a
         # read of every train_steps file on the training path (~50 ms at 100-200 iterations)
         saved = publish_weights(rt, new_version, save=due, wait=iteration + 1 >= total,
-                                prune=False)
+                                prune=False, to_engine=engine_current) if due or engine_current else None
     fault_join("during_checkpoint_save")  # a background write holding there: die before the commit
     fault_point("after_checkpoint_save")
     versions = training_slice.column("weight_version").to_pylist()
@@ -177,9 +182,14 @@ def commit_step(rt: Runtime, iteration: int, row: dict, logged: dict[str, float]
     ``train_step_row``), checkpoint pruning, the MLflow metrics (``logged``) and the model
     version (with its ``saved`` checkpoint or none). Fault points carry ``iteration``: behind
     (``run_behind``), the next iteration may be running."""
-    # the previous iteration's MLflow work (sent in the background) lands before this commit:
-    # a crash can only lose the current iteration's, which resume re-does (durability.recover)
-    rt.tracker.flush()
+    if saved:
+        # the MLflow work of the iterations before (sent in the background, a second's worth
+        # at a time) lands before a checkpoint's commit: what a crash loses is at most
+        # save_interval iterations' metrics and model versions, which resume re-does from the
+        # lake (durability.recover), and a failing tracker fails the run within them. A flush
+        # every commit sent each iteration alone (MLflow's per-call work, on the rollout
+        # side's core in async mode)
+        rt.tracker.flush()
     # quoted: Prefect would walk the row (its sample_uids list) looking for futures
     record_train_step(rt, quote(row))
     new_version = row["weight_version"]

@@ -1,8 +1,8 @@
 """MLflow tracking on a SQLite file under the state folder: runs, batched metrics, weight versions.
 
 Off the critical path: ``log_metrics``, ``set_tags`` and ``defer``-ed calls go to one background
-thread that sends them in order, merging queued metrics into one ``log_batch``. ``flush`` waits
-for it; ``finish`` (every clean end, and every failure the pipeline catches) flushes first, so a
+thread that sends what comes within a second (``LINGER_S``) as one round: its metrics in one
+``log_batch``, then its calls in order. ``flush`` sends at once and waits for it; ``finish`` (every clean end, and every failure the pipeline catches) flushes first, so a
 clean stop loses nothing. What a kill -9 loses is re-done from the lake on resume
 (``flows.durability.recover``): metrics from the ``train_steps`` rows, model versions from the
 checkpoints.
@@ -29,6 +29,15 @@ if TYPE_CHECKING:  # imported where used: infra.tracker_process imports this mod
 EXPERIMENT = "rlake"
 BATCH_LIMIT = 1000  # MLflow's log_batch takes at most 1000 metrics per call
 RETRIES = 2  # as the log_metrics task had
+FLUSH = "flush"  # a queue item: send what was gathered now
+# how long the sender gathers metrics and calls into one round (``_Sender``): a second of
+# iterations in one log_batch
+LINGER_S = 1.0
+
+
+def metric_count(item: tuple) -> int:
+    """How many metrics a queued item carries."""
+    return len(item[2]) if item[0] == "metrics" else 0
 
 
 def tracking_uri(home: str | Path) -> str:
@@ -103,11 +112,16 @@ def _wal_on_connect(dbapi_connection, _record) -> None:
 
 
 class _Sender:
-    """One daemon thread running queued calls in order; metric batches queued back to back are
-    merged. An error is kept and raised by the next ``flush``."""
+    """One daemon thread running queued calls in order, gathering what is queued within
+    ``linger_s`` of the first item into one round: all of its metrics in one ``log_batch`` per
+    run (whole steps, up to MLflow's 1000 a call), then its calls, in order. MLflow's per-call
+    work (the run's row, the latest-metrics update, the commit) was most of a step's
+    ``log_batch``, once per iteration on the core the rollout side shares (2026-11-28). A
+    ``flush`` sends at once. An error is kept and raised by the next ``flush``."""
 
-    def __init__(self, client: MlflowClient) -> None:
+    def __init__(self, client: MlflowClient, linger_s: float = 0.0) -> None:
         self.client = client
+        self.linger_s = linger_s
         self.queue: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
@@ -120,16 +134,26 @@ class _Sender:
 
     def _loop(self) -> None:
         while True:
-            item = self.queue.get()
-            pending = [item]
-            while item[0] == "metrics" and not self.queue.empty():
-                item = self.queue.get_nowait()
-                pending.append(item)
+            pending = self._gather(self.queue.get())
             try:
-                self._send_with_retries(pending)
+                self._send_with_retries([item for item in pending if item[0] != FLUSH])
             finally:
                 for _ in pending:
                     self.queue.task_done()
+
+    def _gather(self, first: tuple) -> list[tuple]:
+        """``first`` and what comes within ``linger_s`` of it, up to a flush or
+        ``BATCH_LIMIT`` metrics."""
+        pending, count = [first], metric_count(first)
+        deadline = time.monotonic() + self.linger_s
+        while pending[-1][0] != FLUSH and count < BATCH_LIMIT:
+            try:
+                item = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            pending.append(item)
+            count += metric_count(item)
+        return pending
 
     def _send_with_retries(self, pending: list[tuple]) -> None:
         for attempt in range(RETRIES + 1):  # SQLite may be busy (another run on this home)
@@ -143,25 +167,31 @@ class _Sender:
                     time.sleep(1.0)
 
     def _send(self, items: list[tuple]) -> None:
-        metrics: list[tuple[str, list[Metric]]] = []
-        for kind, run_id, payload in items:
-            if kind == "metrics":
-                metrics.append((run_id, payload))
-                continue
-            self._send_metrics(metrics)
-            metrics = []
-            payload()  # a deferred call ("call")
-        self._send_metrics(metrics)
+        """The round's metrics first, then its calls in order (metrics and calls write
+        different records: their order does not matter; a retry after a partial round may log
+        a step's metrics twice, as before, and calls are idempotent or tags)."""
+        self._send_metrics([(run_id, payload) for kind, run_id, payload in items
+                            if kind == "metrics"])
+        for kind, _, payload in items:
+            if kind == "call":
+                payload()
 
     def _send_metrics(self, batches: list[tuple[str, list[Metric]]]) -> None:
-        by_run: dict[str, list[Metric]] = {}
+        """One ``log_batch`` per run and up to ``BATCH_LIMIT`` metrics, each step's metrics in
+        one call: a crash between two calls leaves a step all logged or not at all, which is
+        what the resume's re-logging looks for (``weight_version`` at that step)."""
+        calls: list[tuple[str, list[Metric]]] = []
         for run_id, batch in batches:
-            by_run.setdefault(run_id, []).extend(batch)
-        for run_id, batch in by_run.items():
-            for i in range(0, len(batch), BATCH_LIMIT):
+            if calls and calls[-1][0] == run_id and len(calls[-1][1]) + len(batch) <= BATCH_LIMIT:
+                calls[-1][1].extend(batch)
+            else:
+                calls.append((run_id, list(batch)))
+        for run_id, batch in calls:
+            for i in range(0, len(batch), BATCH_LIMIT):  # a step of over 1000 metrics
                 self.client.log_batch(run_id, metrics=batch[i:i + BATCH_LIMIT])
 
     def flush(self) -> None:
+        self.submit((FLUSH, None, None))  # ends the round being gathered
         self.queue.join()
         if self.error is not None:
             err, self.error = self.error, None
@@ -189,7 +219,7 @@ class Tracker:
                 EXPERIMENT, artifact_location=(root / "artifacts").as_uri())
         self.run_id: str | None = None
         self._registered: dict[str, dict[int, str]] = {}  # model name -> its weight versions
-        self._sender = _Sender(self.client)
+        self._sender = _Sender(self.client, LINGER_S)
 
     def start(self, run_name: str, params: dict[str, str], tags: dict[str, str],
               mlflow_run_id: str | None = None) -> str:

@@ -23,32 +23,41 @@ def train(rt: Runtime, training_slice: pa.Table) -> dict[str, float]:
 
 @step_task(name="publish_weights")
 def publish_weights(rt: Runtime, weight_version: int, save: bool = True, wait: bool = True,
-                    prune: bool = True) -> str | None:
+                    prune: bool = True, to_engine: bool = True) -> str | None:
     """Hand weights ``v`` to the engine: in memory where it takes tensors (an in-process engine
     copies them; SGLang with ``weight_sync: distributed`` receives them over its weight-update
     group), else from checkpoint ``v`` on disk. The checkpoint is written when ``save`` or when
     the engine needs it (always then); with ``wait`` False, and a trainer that can, in the
     background (trainers/checkpoint.py) while the run goes on. A new checkpoint prunes older
     ones (``prune``; the committed version read from the lake) unless the caller prunes after its
-    commit (``flows.steps.commit_step``, knowing the version). Returns the checkpoint folder, or
-    None when none is written."""
-    weights = in_process_weights(rt)
+    commit (``flows.steps.commit_step``, knowing the version). ``to_engine`` False: the
+    checkpoint only (async mode's training side, whose engine only evaluates, takes weights
+    before it does). Returns the checkpoint folder, or None when none is written."""
+    weights = in_process_weights(rt) if to_engine else None
     path = rt.checkpoint_dir(weight_version)
-    writes_checkpoint = save or weights is None
+    engine_reads_it = to_engine and weights is None  # so it must be on disk first
+    writes_checkpoint = save or engine_reads_it
     if writes_checkpoint:
-        save_checkpoint(rt, path, background=not wait and weights is not None)
+        save_checkpoint(rt, path, background=not wait and not engine_reads_it)
     fault_point("during_weight_handoff")
+    if to_engine:
+        hand_to_engine(rt, weights, weight_version, path, save)
+    if writes_checkpoint and prune:  # a new folder (the hand-off alone changes nothing on disk)
+        rt.prune_checkpoints(keep_version=weight_version)
+    return str(path) if writes_checkpoint else None
+
+
+def hand_to_engine(rt: Runtime, weights: dict | None, weight_version: int, path, saved: bool
+                   ) -> None:
+    """Give the engine weights ``weight_version``: ``weights`` in memory, or checkpoint ``path``."""
     if weights is not None and receives_broadcast(rt.engine):
         # a server restarted later loads the newest saved checkpoint, then the next sync
         rt.engine.update_weights_from_tensors(weights.items(), weight_version,
-                                              str(path) if save else None)
+                                              str(path) if saved else None)
     elif weights is not None:
         rt.engine.load_state_dict(weights, weight_version)
     else:
         rt.engine.update_weights(str(path), weight_version)
-    if writes_checkpoint and prune:  # a new folder (the hand-off alone changes nothing on disk)
-        rt.prune_checkpoints(keep_version=weight_version)
-    return str(path) if writes_checkpoint else None
 
 
 def save_checkpoint(rt: Runtime, path, background: bool) -> None:
