@@ -16,7 +16,6 @@ rows) + 1`` and the data position is the one committed with that batch's rows
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import pyarrow.compute as pc
@@ -60,21 +59,30 @@ class RolloutSide:
         self.engine.generator.manual_seed(s)
         return s
 
-    def load_weights(self, payload: bytes, version: int) -> None:
+    def load_weights(self, payload: PackedWeights, version: int) -> None:
         """Weights sent by the training side (``pack_weights``) into the engine, as ``version``."""
         self.engine.load_state_dict(unpack_weights(payload), version)
 
 
-def pack_weights(state_dict: dict[str, torch.Tensor]) -> bytes:
-    """A state dict as bytes for a pipe (``torch.save``: keeps tied tensors tied, no shared
-    memory handles that would outlive a killed process)."""
-    buf = io.BytesIO()
-    torch.save(state_dict, buf)
-    return buf.getvalue()
+# name -> (dtype name, shape, the tensor's bytes)
+PackedWeights = dict[str, tuple[str, tuple[int, ...], bytes]]
 
 
-def unpack_weights(payload: bytes) -> dict[str, torch.Tensor]:
-    return torch.load(io.BytesIO(payload), weights_only=True)
+def pack_weights(state_dict: dict[str, torch.Tensor]) -> PackedWeights:
+    """A state dict as plain bytes for a pipe: no shared memory handles that would outlive a
+    killed process. Each tensor's raw bytes, not ``torch.save``: 0.3 ms against 3.3 ms to pack
+    and 0.4 against 3.7 to unpack the quickstart's 2 MB model, each iteration, one on each
+    side's core (2026-11-28). Tied tensors arrive as copies: the engine copies them in anyway."""
+    return {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                   t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            for name, t in state_dict.items()}
+
+
+def unpack_weights(payload: PackedWeights) -> dict[str, torch.Tensor]:
+    """``pack_weights``' state dict back (tensors of their own, writable)."""
+    return {name: torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype))
+            .reshape(shape) if data else torch.empty(shape, dtype=getattr(torch, dtype))
+            for name, (dtype, shape, data) in payload.items()}
 
 
 def batches_in_lake(lake: Lake, run_id: str) -> list[int]:
