@@ -14,8 +14,9 @@ process (flows/rollout_side.py) and the two share only the lake and the weight h
 
 Why a process and not a thread: the tiny model's generation and training are both dominated by
 Python-level per-op overhead, which holds the GIL, so a thread would mostly take turns with the
-trainer; a process uses the second core. The hand-off is a ``torch.save`` of the state dict
-through a multiprocessing queue (its feeder thread sends while training goes on).
+trainer; a process uses the second core. The hand-off is the state dict's raw bytes
+(``infra.sides.pack_weights``) through a multiprocessing queue (its feeder thread sends while
+training goes on). This side's own engine only evaluates: it takes the weights when it does.
 
 Iteration ``i`` trains on batch ``i``: one batch per iteration, oldest first, so batch b is
 trained at version b and the rollout side's wait (b - w <= k) is exactly the staleness bound.
