@@ -39,6 +39,9 @@ SERVER_ENV = {
 }
 
 
+PORT_TRIES = 3  # spawns of the embedded server when another process takes its port first
+
+
 def prefect_home(home: str | Path) -> Path:
     return Path(home).resolve() / "prefect"
 
@@ -47,6 +50,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    """Whether another socket holds 127.0.0.1:``port`` (binding it here fails)."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+        return False
 
 
 def healthy(url: str, timeout_s: float = 2.0) -> bool:
@@ -93,20 +106,28 @@ def ensure_server(home: str | Path, port: int | None = None, startup_timeout_s: 
         return info["url"]
     phome = prefect_home(home)
     phome.mkdir(parents=True, exist_ok=True)
-    port = port or free_port()
-    url = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, **SERVER_ENV, "PREFECT_HOME": str(phome)}
     env.pop("PREFECT_API_URL", None)
     prefect_bin = Path(sys.executable).with_name("prefect")
-    cmd = [str(prefect_bin), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    with open(phome / "server.log", "ab") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        wait_until_healthy(url, proc, phome / "server.log", startup_timeout_s, poll_s=0.5)
-    except BaseException:  # a timeout, or a SIGTERM/Ctrl-C while it starts: leave no server behind
-        _stop_group(proc.pid)
-        raise
+    for spawns in range(1, PORT_TRIES + 1):
+        chosen = port or free_port()
+        url = f"http://127.0.0.1:{chosen}/api"
+        cmd = [str(prefect_bin), "server", "start", "--host", "127.0.0.1", "--port", str(chosen)]
+        with open(phome / "server.log", "ab") as log:
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            wait_until_healthy(url, proc, phome / "server.log", startup_timeout_s, poll_s=0.5)
+            break
+        except RuntimeError:  # it exited, or a timeout
+            exited = proc.poll() is not None
+            _stop_group(proc.pid)
+            # a port picked free and taken before it bound it: another one (a given port: no)
+            if port or spawns == PORT_TRIES or not exited or not port_in_use(chosen):
+                raise
+        except BaseException:  # a SIGTERM/Ctrl-C while it starts: leave no server behind
+            _stop_group(proc.pid)
+            raise
     (phome / STATE_FILE).write_text(json.dumps({"pid": proc.pid, "url": url}))
     return url
 
@@ -177,6 +198,10 @@ class EmbeddedServer:
         os.environ["PREFECT_API_URL"] = server.url
         return server
 
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1].split("/")[0])
+
     def _try_lock(self, blocking: bool) -> bool:
         import fcntl
 
@@ -199,7 +224,7 @@ class EmbeddedServer:
 
         if self.url is None:
             self.url = f"http://127.0.0.1:{free_port()}/api"
-        port = self.url.rsplit(":", 1)[1].split("/")[0]
+        port = str(self.port)
         app_dir = Path(importlib.util.find_spec("prefect").submodule_search_locations[0]).parent
         cmd = [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory",
                EMBEDDED_APP, "--host", "127.0.0.1", "--port", port,
@@ -209,8 +234,8 @@ class EmbeddedServer:
         env.pop("PREFECT_API_URL", None)
         # a fresh home starts from a ready database when the cache has one (seconds saved)
         fresh = not (self.phome / prefect_db.DB_NAME).exists()
-        self.from_template = prefect_db.seed_database(self.phome)
-        self._builds_database = fresh and not self.from_template
+        self.from_template = prefect_db.seed_database(self.phome) or self.from_template
+        self._builds_database = (fresh and not self.from_template) or self._builds_database
         if self.from_template:
             env.update(prefect_db.FROM_TEMPLATE_ENV)
         with open(self.phome / "embedded-server.log", "ab") as log:
@@ -226,9 +251,22 @@ class EmbeddedServer:
         if self.proc is None:
             self._try_lock(blocking=True)
             self._spawn()
+        log = self.phome / "embedded-server.log"
         try:
-            wait_until_healthy(self.url, self.proc, self.phome / "embedded-server.log", timeout_s,
-                               poll_s=0.1)
+            for spawns in range(1, PORT_TRIES + 1):
+                try:
+                    wait_until_healthy(self.url, self.proc, log, timeout_s, poll_s=0.1)
+                    break
+                except RuntimeError:
+                    # exited while another process holds its port: free when picked, the port
+                    # was taken in the seconds before the server bound it (its log stays silent:
+                    # Prefect's logging setup mutes uvicorn's error)
+                    if spawns == PORT_TRIES or self.proc.poll() is None or not port_in_use(self.port):
+                        raise
+                # nothing has called the API yet: the run's clients read the new URL
+                self.url = f"http://127.0.0.1:{free_port()}/api"
+                os.environ["PREFECT_API_URL"] = self.url
+                self._spawn()
             if self._builds_database:  # once per machine and Prefect version
                 prefect_db.save_template(self.phome)
         finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import tempfile
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -20,7 +21,9 @@ import torch
 
 from rollout.engine import GenerationResult, RolloutEngine, SamplingParams
 from rollout.sglang import SGLangConfig, SGLangEngine
+from rollout.sglang import engine as sglang_engine
 from rollout.sglang.client import served_weight_version
+from rollout.sglang.server import free_port
 from rollout.sglang.tiny_model import build_tiny_qwen2
 
 pytestmark = pytest.mark.sglang
@@ -87,14 +90,36 @@ def ckpts(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(ckpts, tmp_path_factory):
+def taken_port():
+    """A port another process listens on while the module's engine starts."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def engine(ckpts, tmp_path_factory, taken_port):
+    """The module's engine; its first server is given a port another process holds (what a port
+    picked free and taken before the server bound it looks like): it starts on another."""
     cfg = SGLangConfig(
         num_servers=2, concurrency=16, health_interval_s=1.0, health_timeout_s=10.0, health_failures=2,
         log_dir=str(tmp_path_factory.mktemp("sglang-logs")),
     )
-    eng = SGLangEngine(ckpts["a"], cfg, weight_version=0)
+    picks = iter([taken_port])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sglang_engine, "free_port", lambda: next(picks, None) or free_port())
+        eng = SGLangEngine(ckpts["a"], cfg, weight_version=0)
     yield eng
     eng.shutdown()
+
+
+def test_a_server_whose_port_was_taken_started_on_another(engine, taken_port):
+    ports = [int(u.rsplit(":", 1)[1]) for u in engine.urls]
+    assert taken_port not in ports and len(set(ports)) == 2
+    assert all(w.up and w.server.alive() and w.server.spec.port == p for w, p in zip(engine.workers, ports, strict=True))
+    first_log = Path(engine.workers[0].server.log_path).read_text()
+    assert first_log.count(f"{taken_port}): address already in use") == 1
 
 
 def test_generation_matches_hf_logprobs(engine, ckpts):

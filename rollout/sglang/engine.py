@@ -42,9 +42,11 @@ from rollout.sglang.client import (
 )
 from rollout.sglang.config import SGLangConfig, section
 from rollout.sglang.server import (
+    ManagedProcess,
     ServerSpec,
     SGLangServer,
     free_port,
+    ready_or_moved,
     router_process,
     wait_ready,
     wait_router_workers,
@@ -203,25 +205,39 @@ class SGLangEngine:
                     time.sleep(1.0)
             return
         for i in range(cfg.num_servers):
-            spec = ServerSpec(
-                model_path=self._disk[0], port=free_port(), python=cfg.python,
-                weight_version=str(self._version), max_total_tokens=cfg.max_total_tokens,
-                device=cfg.device, extra_args=list(cfg.extra_server_args),
-                log_path=str(self.log_dir / f"sglang-{i}.log"),
-            )
-            server = SGLangServer(spec)
+            server = self._server(i, free_port())
             server.start()
             self.workers.append(Worker(url=server.url, server=server))
-        for w in self.workers:
-            wait_ready(w.server, w.url, cfg.startup_timeout_s)
+        for i, w in enumerate(self.workers):
+            w.server, _ = ready_or_moved(
+                w.server, w.server.spec.port, partial(self._server, i),
+                lambda server, _port: wait_ready(server, server.url, cfg.startup_timeout_s))
+            w.url = w.server.url
+
+    def _server(self, index: int, port: int) -> SGLangServer:
+        """Server ``index`` on ``port``, from the newest weights on disk (not started)."""
+        cfg = self.config
+        return SGLangServer(ServerSpec(
+            model_path=self._disk[0], port=port, python=cfg.python,
+            weight_version=str(self._version), max_total_tokens=cfg.max_total_tokens,
+            device=cfg.device, extra_args=list(cfg.extra_server_args),
+            log_path=str(self.log_dir / f"sglang-{index}.log"),
+        ))
 
     def _start_router(self) -> None:
+        urls, timeout_s = [w.url for w in self.workers], self.config.startup_timeout_s
+
+        def launch(port: int) -> ManagedProcess:
+            return router_process(urls, port, self.config.python, log_path=str(self.log_dir / "router.log"))
+
+        def wait(router: ManagedProcess, port: int) -> None:
+            wait_router_workers(router, f"http://127.0.0.1:{port}", len(urls), timeout_s)
+
         port = free_port()
-        self.router = router_process([w.url for w in self.workers], port, self.config.python,
-                                     log_path=str(self.log_dir / "router.log"))
+        self.router = launch(port)
         self.router.start()
+        self.router, port = ready_or_moved(self.router, port, launch, wait)
         self.router_url = f"http://127.0.0.1:{port}"
-        wait_router_workers(self.router, self.router_url, len(self.workers), self.config.startup_timeout_s)
 
     def shutdown(self) -> None:
         if self._closed:

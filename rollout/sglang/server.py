@@ -7,20 +7,26 @@ kills exactly its process group (scheduler and detokenizer children included) an
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+log = logging.getLogger(__name__)
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Flags that make SGLang 0.5.x serve on CPU (DESIGN.md "What runs where"); GPU runs drop them.
 CPU_SERVER_ARGS = ("--device", "cpu", "--dtype", "float32", "--sleep-on-idle", "--skip-server-warmup")
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+# what a server (uvicorn, Python's own) or the router (Rust) logs when its port is bound already
+PORT_TAKEN = "address already in use"
 
 
 def sglang_python(python: str | None = None) -> str:
@@ -86,9 +92,11 @@ class ManagedProcess:
     def __init__(self, cmd: list[str], env: dict[str, str], log_path: str | None, name: str):
         self.cmd, self.env, self.log_path, self.name = cmd, env, log_path, name
         self.proc: subprocess.Popen | None = None
+        self._log_start = 0  # where this launch's output begins in the (appended) log
 
     def start(self) -> None:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self._log_start = log.tell() if log is not subprocess.DEVNULL else 0
         try:
             self.proc = subprocess.Popen(
                 self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
@@ -131,10 +139,19 @@ class ManagedProcess:
             pass
 
     def log_tail(self, n: int = 30) -> str:
+        """The last ``n`` lines this launch wrote (an earlier launch's stay out)."""
         if not self.log_path or not Path(self.log_path).exists():
             return "(no log)"
-        lines = Path(self.log_path).read_text(errors="replace").splitlines()
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_start)
+            lines = f.read().decode(errors="replace").splitlines()
         return "\n".join(lines[-n:])
+
+    def port_taken(self) -> bool:
+        """Whether it exited because another process had bound its port: the port was free
+        when picked, and a server binds it only once loaded (SGLang: 20 s and more on a busy
+        CPU), a window in which any process on the machine may get it from the OS."""
+        return not self.alive() and PORT_TAKEN in self.log_tail(400).lower()
 
 
 class SGLangServer(ManagedProcess):
@@ -171,6 +188,32 @@ def wait_ready(proc: ManagedProcess, url: str, timeout_s: float, endpoint: str =
                 pass
             time.sleep(0.5)
     raise TimeoutError(f"{proc.name} not ready after {timeout_s:.0f} s:\n{proc.log_tail()}")
+
+
+def ready_or_moved(proc: ManagedProcess, port: int, launch: Callable[[int], ManagedProcess],
+                   wait: Callable[[ManagedProcess, int], None],
+                   tries: int = 3) -> tuple[ManagedProcess, int]:
+    """Wait for ``proc`` (started on ``port``) with ``wait(proc, port)``; when it exited because
+    its port was taken meanwhile (``port_taken``), start ``launch(new_port)`` on a new free port
+    instead, ``tries`` launches in all. Returns the ready process and its port; on an error the
+    process is stopped (no group left behind) and the error raised."""
+    launches = 1
+    while True:
+        try:
+            wait(proc, port)
+            return proc, port
+        except Exception:
+            proc.stop()
+            if launches >= tries or not proc.port_taken():
+                raise
+        except BaseException:  # Ctrl-C while it starts: leave no process group behind
+            proc.stop()
+            raise
+        log.warning("%s: port %d was taken before it bound it; starting it on another", proc.name, port)
+        port = free_port()
+        proc = launch(port)
+        proc.start()
+        launches += 1
 
 
 def wait_router_workers(router: ManagedProcess, url: str, n_workers: int, timeout_s: float) -> None:
