@@ -95,16 +95,16 @@ class ManagedProcess:
         self._log_start = 0  # where this launch's output begins in the (appended) log
 
     def start(self) -> None:
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self._log_start = log.tell() if log is not subprocess.DEVNULL else 0
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self._log_start = out.tell() if out is not subprocess.DEVNULL else 0
         try:
             self.proc = subprocess.Popen(
-                self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
         finally:
-            if log is not subprocess.DEVNULL:
-                log.close()
+            if out is not subprocess.DEVNULL:
+                out.close()
 
     @property
     def pid(self) -> int | None:
