@@ -273,3 +273,25 @@ def test_pad_batch_layout_and_a_short_loss_mask_is_an_error():
     assert (pb.input_ids.dtype, pb.mask.dtype) == (torch.long, torch.float32)
     with pytest.raises(ValueError, match="sample a: loss_mask has 2 entries for 3 response tokens"):
         pad_batch(batch([[1, 1], [1], []]), pad_id=0)
+
+
+def test_seeding_on_cpu_draws_as_torch_manual_seed_and_captures_no_stack(monkeypatch):
+    """``seed_everything`` without CUDA: the same draws as ``torch.manual_seed``, and none of the
+    stack captures its lazy CUDA/XPU seeding makes while those devices are not initialised (one
+    per iteration, ~3 ms each under a flow's stack)."""
+    import traceback
+
+    from trainers.torch_trainer import seed_everything
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine seeds through torch.manual_seed")
+    torch.manual_seed(123)
+    expected = torch.rand(8)
+    captures = []
+    real_format_stack = traceback.format_stack
+    monkeypatch.setattr(traceback, "format_stack", lambda *a, **k: captures.append(1) or real_format_stack(*a, **k))
+    torch.manual_seed(5)
+    assert captures  # what the old seeding did on every call
+    captures.clear()
+    seed_everything(123)
+    assert torch.equal(torch.rand(8), expected) and captures == []

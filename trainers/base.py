@@ -10,6 +10,10 @@ import torch
 
 from rollout.sample import train_reward
 
+# the trajectory columns a TrainBatch is built from
+BATCH_COLUMNS = ("sample_uid", "prompt_token_ids", "response_token_ids", "loss_mask",
+                 "rollout_logprobs", "reward", "run_id", "iteration", "group_index", "weight_version")
+
 
 @dataclass
 class TrainBatch:
@@ -37,7 +41,8 @@ class TrainBatch:
         missing or non-finite reward (a failed sample, or an inf row from an older lake) is 0.0."""
         table = table.sort_by([("iteration", "ascending"), ("group_index", "ascending"),
                                ("sample_index", "ascending")])
-        cols = table.to_pydict()
+        # only the columns used: a trajectory row also holds its texts, reward detail, metadata
+        cols = table.select(list(BATCH_COLUMNS)).to_pydict()
         return cls(
             sample_uids=cols["sample_uid"],
             prompt_token_ids=cols["prompt_token_ids"],
