@@ -109,8 +109,10 @@ def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_sta
     with phase(timings, "publish"):
         # pruned by the commit (commit_step), which knows the committed version: here it was a
         # read of every train_steps file on the training path (~50 ms at 100-200 iterations)
-        saved = publish_weights(rt, new_version, save=due, wait=iteration + 1 >= total,
-                                prune=False, to_engine=engine_current) if due or engine_current else None
+        saved = None
+        if due or engine_current:
+            saved = publish_weights(rt, new_version, save=due, wait=iteration + 1 >= total,
+                                    prune=False, to_engine=engine_current)
     fault_join("during_checkpoint_save")  # a background write holding there: die before the commit
     fault_point("after_checkpoint_save")
     versions = training_slice.column("weight_version").to_pylist()

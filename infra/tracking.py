@@ -136,7 +136,7 @@ class _Sender:
         while True:
             pending = self._gather(self.queue.get())
             try:
-                self._send_with_retries([item for item in pending if item[0] != FLUSH])
+                self._send_with_retries(pending)  # _send skips the FLUSH item
             finally:
                 for _ in pending:
                     self.queue.task_done()

@@ -5,6 +5,8 @@ MLflow metrics are no task: ``Tracker.log_metrics`` only queues them for its bac
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pyarrow as pa
 
 from infra.faults import fault_point
@@ -47,8 +49,8 @@ def publish_weights(rt: Runtime, weight_version: int, save: bool = True, wait: b
     return str(path) if writes_checkpoint else None
 
 
-def hand_to_engine(rt: Runtime, weights: dict | None, weight_version: int, path, saved: bool
-                   ) -> None:
+def hand_to_engine(rt: Runtime, weights: dict | None, weight_version: int, path: Path,
+                   saved: bool) -> None:
     """Give the engine weights ``weight_version``: ``weights`` in memory, or checkpoint ``path``."""
     if weights is not None and receives_broadcast(rt.engine):
         # a server restarted later loads the newest saved checkpoint, then the next sync

@@ -39,10 +39,10 @@ class TrainBatch:
     def from_arrow(cls, table: pa.Table) -> TrainBatch:
         """Rows sorted by (iteration, group_index, sample_index) so groups are consecutive; a
         missing or non-finite reward (a failed sample, or an inf row from an older lake) is 0.0."""
-        table = table.sort_by([("iteration", "ascending"), ("group_index", "ascending"),
-                               ("sample_index", "ascending")])
         # only the columns used: a trajectory row also holds its texts, reward detail, metadata
-        cols = table.select(list(BATCH_COLUMNS)).to_pydict()
+        table = table.select([*BATCH_COLUMNS, "sample_index"])
+        cols = table.sort_by([("iteration", "ascending"), ("group_index", "ascending"),
+                              ("sample_index", "ascending")]).to_pydict()
         return cls(
             sample_uids=cols["sample_uid"],
             prompt_token_ids=cols["prompt_token_ids"],
