@@ -49,11 +49,9 @@ OFFLINE_ENV = {
 }
 
 
-def set_environment(home: str | Path, torch_threads: int = 1) -> Path:
-    """The environment part of ``configure_environment``: imports nothing heavy, so it can run
-    before anything slow (Prefect's server is spawned with this environment)."""
-    home = Path(home).resolve()
-    home.mkdir(parents=True, exist_ok=True)
+def set_offline_defaults() -> None:
+    """``OFFLINE_ENV`` into the environment where the user has not set a key; says so when
+    Prefect was imported first (it read its settings then, and keeps its defaults)."""
     unseen = [k for k in OFFLINE_ENV if k.startswith("PREFECT_") and k not in os.environ]
     if unseen and "prefect.settings" in sys.modules:
         # bench/stalls.py did this until 2026-11-27: its runs logged at INFO, fetched CSRF tokens
@@ -62,6 +60,14 @@ def set_environment(home: str | Path, torch_threads: int = 1) -> Path:
             "for %s", ", ".join(unseen))
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
+
+
+def set_environment(home: str | Path, torch_threads: int = 1) -> Path:
+    """The environment part of ``configure_environment``: imports nothing heavy, so it can run
+    before anything slow (Prefect's server is spawned with this environment)."""
+    home = Path(home).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    set_offline_defaults()
     os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))
     os.environ.setdefault("OMP_NUM_THREADS", str(torch_threads))
     for name in ("mlflow", "alembic"):

@@ -78,14 +78,17 @@ threads = []
 set_reporter(lambda event, payload: threads.append(torch.get_num_threads())
              if event == "iteration" else None)
 rl_run(cfg.model_dump(), run_id="python-api")
-print(json.dumps(threads))
+from prefect.settings import get_current_settings
+print(json.dumps([threads, get_current_settings().server.ephemeral.startup_timeout_seconds]))
 """
 
 
 def test_a_run_started_from_python_trains_with_the_runs_torch_threads(tmp_path):
     """``rl_run`` called from Python (or a deployment's worker), not through the CLI that sets
     torch's threads: the run still uses ``torch_threads``, not the caller's count. Async mode
-    pins the training process to ``torch_threads`` cores; two threads on one core ran 30x slower."""
+    pins the training process to ``torch_threads`` cores; two threads on one core ran 30x slower.
+    Prefect's own temporary server serves it, with rlake's settings (its 300 s start-up limit,
+    not Prefect's 20 s, which a loaded CI machine overran: they were set after Prefect's import)."""
     from tests.conftest import REPO
     from tests.opshelp import TINY, cli_env
 
@@ -97,7 +100,7 @@ def test_a_run_started_from_python_trains_with_the_runs_torch_threads(tmp_path):
     proc = subprocess.run([sys.executable, "-c", PYTHON_API_RUN, str(home), *overrides], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [1, 1]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [[1, 1], 300]
 
 
 HOLD_CORE = """
