@@ -36,6 +36,7 @@ wait, and the fix changes nothing there.)
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from infra.env import freeze_startup_heap
@@ -94,11 +95,16 @@ def close_dropped_cursors_on_their_thread() -> None:
 def create_app() -> Any:
     """uvicorn's ``--factory``: Prefect's server app, its SQLite busy timeout shortened, its
     dropped cursors closed on their connection's thread, and what it made while starting kept
-    out of the garbage collector's full collections (``infra.env.freeze_startup_heap``)."""
+    out of the garbage collector's full collections (``infra.env.freeze_startup_heap``).
+
+    uvicorn's own errors are logged (to ``embedded-server.log``): Prefect's logging setup gives
+    uvicorn's loggers ``PREFECT_SERVER_LOGGING_LEVEL``, CRITICAL under rlake (infra/env.py), so
+    a server that could not bind its port exited with an empty log."""
     shorten_busy_timeout()
     close_dropped_cursors_on_their_thread()
     from prefect.server.api.server import create_app as prefects_create_app
 
     app = prefects_create_app()
+    logging.getLogger("uvicorn.error").setLevel(logging.ERROR)
     freeze_startup_heap(collect=False)  # on the path of the server's start
     return app

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from infra import prefect_db
+from infra.ports import PORT_TRIES, free_port, port_in_use, ready_or_moved
 from infra.recovery import EMBEDDED_APP, pid_alive, stop_processes
 
 STATE_FILE = "server.json"
@@ -39,27 +39,8 @@ SERVER_ENV = {
 }
 
 
-PORT_TRIES = 3  # spawns of the embedded server when another process takes its port first
-
-
 def prefect_home(home: str | Path) -> Path:
     return Path(home).resolve() / "prefect"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_in_use(port: int) -> bool:
-    """Whether another socket holds 127.0.0.1:``port`` (binding it here fails)."""
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-        return False
 
 
 def healthy(url: str, timeout_s: float = 2.0) -> bool:
@@ -109,27 +90,34 @@ def ensure_server(home: str | Path, port: int | None = None, startup_timeout_s: 
     env = {**os.environ, **SERVER_ENV, "PREFECT_HOME": str(phome)}
     env.pop("PREFECT_API_URL", None)
     prefect_bin = Path(sys.executable).with_name("prefect")
-    for spawns in range(1, PORT_TRIES + 1):
-        chosen = port or free_port()
-        url = f"http://127.0.0.1:{chosen}/api"
+
+    def launch(chosen: int) -> subprocess.Popen:
         cmd = [str(prefect_bin), "server", "start", "--host", "127.0.0.1", "--port", str(chosen)]
         with open(phome / "server.log", "ab") as log:
-            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+            return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            wait_until_healthy(url, proc, phome / "server.log", startup_timeout_s, poll_s=0.5)
-            break
-        except RuntimeError:  # it exited, or a timeout
-            exited = proc.poll() is not None
-            _stop_group(proc.pid)
-            # a port picked free and taken before it bound it: another one (a given port: no)
-            if port or spawns == PORT_TRIES or not exited or not port_in_use(chosen):
-                raise
-        except BaseException:  # a SIGTERM/Ctrl-C while it starts: leave no server behind
-            _stop_group(proc.pid)
-            raise
-    (phome / STATE_FILE).write_text(json.dumps({"pid": proc.pid, "url": url}))
-    return url
+
+    def wait(proc: subprocess.Popen, chosen: int) -> None:
+        wait_until_healthy(api_url(chosen), proc, phome / "server.log", startup_timeout_s, poll_s=0.5)
+
+    first = port or free_port()
+    # a port the user gave is never moved
+    proc, chosen = ready_or_moved(launch(first), first, launch, wait, taken=exited_on_taken_port,
+                                  stop=lambda proc: _stop_group(proc.pid),
+                                  tries=1 if port else PORT_TRIES, name="Prefect's server")
+    (phome / STATE_FILE).write_text(json.dumps({"pid": proc.pid, "url": api_url(chosen)}))
+    return api_url(chosen)
+
+
+def api_url(port: int) -> str:
+    return f"http://127.0.0.1:{port}/api"
+
+
+def exited_on_taken_port(proc: subprocess.Popen, port: int) -> bool:
+    """Whether a Prefect server exited while another socket holds its port: the port was taken
+    between its pick and the server's bind (the logs say so in two wordings, uvicorn's and
+    ``prefect server start``'s own check; the port itself is what both servers share)."""
+    return proc.poll() is not None and port_in_use(port)
 
 
 def stop_server(home: str | Path) -> int | None:
@@ -194,7 +182,7 @@ class EmbeddedServer:
         if server._try_lock(blocking=False):
             server._spawn()
         else:  # another process is creating this home's server database: spawn once it answers
-            server.url = f"http://127.0.0.1:{free_port()}/api"
+            server.url = api_url(free_port())
         os.environ["PREFECT_API_URL"] = server.url
         return server
 
@@ -223,7 +211,7 @@ class EmbeddedServer:
         import importlib.util
 
         if self.url is None:
-            self.url = f"http://127.0.0.1:{free_port()}/api"
+            self.url = api_url(free_port())
         port = str(self.port)
         app_dir = Path(importlib.util.find_spec("prefect").submodule_search_locations[0]).parent
         cmd = [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory",
@@ -252,21 +240,20 @@ class EmbeddedServer:
             self._try_lock(blocking=True)
             self._spawn()
         log = self.phome / "embedded-server.log"
+
+        def respawn(port: int) -> subprocess.Popen:
+            # nothing has called the API yet: the run's clients read the new URL
+            self.url = api_url(port)
+            os.environ["PREFECT_API_URL"] = self.url
+            self._spawn()
+            return self.proc
+
+        def wait(proc: subprocess.Popen, port: int) -> None:
+            wait_until_healthy(api_url(port), proc, log, timeout_s, poll_s=0.1)
+
         try:
-            for spawns in range(1, PORT_TRIES + 1):
-                try:
-                    wait_until_healthy(self.url, self.proc, log, timeout_s, poll_s=0.1)
-                    break
-                except RuntimeError:
-                    # exited while another process holds its port: free when picked, the port
-                    # was taken in the seconds before the server bound it (its log stays silent:
-                    # Prefect's logging setup mutes uvicorn's error)
-                    if spawns == PORT_TRIES or self.proc.poll() is None or not port_in_use(self.port):
-                        raise
-                # nothing has called the API yet: the run's clients read the new URL
-                self.url = f"http://127.0.0.1:{free_port()}/api"
-                os.environ["PREFECT_API_URL"] = self.url
-                self._spawn()
+            ready_or_moved(self.proc, self.port, respawn, wait, taken=exited_on_taken_port,
+                           stop=_stop_process, name="Prefect's embedded server")
             if self._builds_database:  # once per machine and Prefect version
                 prefect_db.save_template(self.phome)
         finally:
@@ -276,14 +263,20 @@ class EmbeddedServer:
     def stop(self) -> None:
         """End the server (SIGTERM, then SIGKILL after 5 s)."""
         self._release()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            _stop_process(self.proc)
         self.proc = None
+
+
+def _stop_process(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """SIGTERM ``proc``, SIGKILL after ``grace_s``; reaped."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class ServerWatch:

@@ -19,6 +19,7 @@ import pytest
 
 from buffer import Lake
 from buffer.synth import synthetic_rows
+from infra.ports import free_port
 from tests.conftest import REPO, run_cli
 
 SCRIPT = Path(sys.executable).parent / "rlake"  # the console script installed in this venv
@@ -203,12 +204,6 @@ def _listening(port: int) -> set[str]:
     return found
 
 
-def _free_port() -> int:
-    from infra.prefect_server import free_port
-
-    return free_port()
-
-
 def _wait_for_line(proc: subprocess.Popen, log: Path, needle: str, timeout_s: float) -> str:
     """Hang guard: the first line of ``log`` containing ``needle``, waiting at most timeout_s."""
     deadline = time.monotonic() + timeout_s
@@ -233,7 +228,7 @@ def test_ui_serves_on_loopback_offline_and_stops_on_ctrl_c(tmp_path, which, heal
     home = tmp_path / "home"
     Tracker(home)  # the MLflow store and its "rlake" experiment, as a run leaves them
     (home / "prefect").mkdir()
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "ui.log"
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "80"}
     with open(log, "w") as out:

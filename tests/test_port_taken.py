@@ -71,9 +71,9 @@ def test_an_exit_for_another_reason_is_raised_not_retried(tmp_path):
 
 
 def test_every_launch_on_a_taken_port_gives_up_after_tries(tmp_path, taken_port, monkeypatch):
-    import rollout.sglang.server as server
+    import infra.ports
 
-    monkeypatch.setattr(server, "free_port", lambda host="127.0.0.1": taken_port)
+    monkeypatch.setattr(infra.ports, "free_port", lambda host="127.0.0.1": taken_port)
     launches: list[int] = []
     launch = http_server(tmp_path, launches)
     first = launch(taken_port)
@@ -121,6 +121,9 @@ def test_the_embedded_prefect_server_moves_off_a_taken_port(tmp_path, taken_port
         assert url == server.url == os.environ["PREFECT_API_URL"] and f":{taken_port}/" not in url
         assert prefect_server.healthy(url) and server.proc.poll() is None
         assert spawned == [taken_port, server.port]
+        # the first launch's log says why it ended (Prefect's logging muted uvicorn's error)
+        log = (tmp_path / "home" / "prefect" / "embedded-server.log").read_text()
+        assert f"{taken_port}): address already in use" in log, log
     finally:
         server.stop()
 
@@ -158,3 +161,14 @@ def test_the_homes_prefect_server_moves_off_a_taken_port(tmp_path, taken_port, m
     finally:
         prefect_server.stop_server(home)
     assert prefect_server.server_info(home) is None
+
+
+def test_a_port_the_user_gave_is_not_moved(tmp_path, taken_port):
+    """``rlake serve --port P`` with P taken: the error, not a server on another port."""
+    import infra.prefect_server as prefect_server
+
+    home = tmp_path / "home"
+    with pytest.raises(RuntimeError, match="exited"):
+        prefect_server.ensure_server(home, port=taken_port)
+    assert prefect_server.server_info(home) is None
+    assert (home / "prefect" / "server.log").read_text().count(f"{taken_port} is already in use") == 1

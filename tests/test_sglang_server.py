@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from infra.ports import free_port
 from rollout.engine import GenerationResult, RolloutEngine, SamplingParams
 from rollout.sglang import SGLangConfig, SGLangEngine
 from rollout.sglang import engine as sglang_engine
 from rollout.sglang.client import served_weight_version
-from rollout.sglang.server import free_port
 from rollout.sglang.tiny_model import build_tiny_qwen2
 
 pytestmark = pytest.mark.sglang

@@ -9,8 +9,8 @@ import queue
 import pytest
 import torch
 
+from infra.ports import free_port
 from tests.trainer_fixtures import build_model, make_batch
-from trainers.megatron.model import free_port
 from trainers.weight_transfer import (
     TensorMeta,
     decode_header,

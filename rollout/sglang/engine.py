@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 import torch
 
+from infra.ports import free_port
 from rollout.engine import GenerationResult, SamplingParams
 from rollout.sglang.client import (
     SGLangError,
@@ -45,7 +46,6 @@ from rollout.sglang.server import (
     ManagedProcess,
     ServerSpec,
     SGLangServer,
-    free_port,
     ready_or_moved,
     router_process,
     wait_ready,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -19,14 +18,15 @@ from pathlib import Path
 
 import httpx
 
+from infra import ports
+from infra.ports import PORT_TAKEN
+
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Flags that make SGLang 0.5.x serve on CPU (DESIGN.md "What runs where"); GPU runs drop them.
 CPU_SERVER_ARGS = ("--device", "cpu", "--dtype", "float32", "--sleep-on-idle", "--skip-server-warmup")
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
-# what a server (uvicorn, Python's own) or the router (Rust) logs when its port is bound already
-PORT_TAKEN = "address already in use"
 
 
 def sglang_python(python: str | None = None) -> str:
@@ -39,13 +39,6 @@ def sglang_python(python: str | None = None) -> str:
             "or set rollout.sglang.python"
         )
     return path
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now on ``host`` (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -192,28 +185,16 @@ def wait_ready(proc: ManagedProcess, url: str, timeout_s: float, endpoint: str =
 
 def ready_or_moved(proc: ManagedProcess, port: int, launch: Callable[[int], ManagedProcess],
                    wait: Callable[[ManagedProcess, int], None],
-                   tries: int = 3) -> tuple[ManagedProcess, int]:
-    """Wait for ``proc`` (started on ``port``) with ``wait(proc, port)``; when it exited because
-    its port was taken meanwhile (``port_taken``), start ``launch(new_port)`` on a new free port
-    instead, ``tries`` launches in all. Returns the ready process and its port; on an error the
-    process is stopped (no group left behind) and the error raised."""
-    launches = 1
-    while True:
-        try:
-            wait(proc, port)
-            return proc, port
-        except Exception:
-            proc.stop()
-            if launches >= tries or not proc.port_taken():
-                raise
-        except BaseException:  # Ctrl-C while it starts: leave no process group behind
-            proc.stop()
-            raise
-        log.warning("%s: port %d was taken before it bound it; starting it on another", proc.name, port)
-        port = free_port()
-        proc = launch(port)
-        proc.start()
-        launches += 1
+                   tries: int = ports.PORT_TRIES) -> tuple[ManagedProcess, int]:
+    """``infra.ports.ready_or_moved`` for a server or router process: its port was taken when
+    this launch's log says so (``port_taken``); a new launch is started here; a failed one is
+    stopped with its process group."""
+    def started(new_port: int) -> ManagedProcess:
+        new = launch(new_port)
+        new.start()
+        return new
+    return ports.ready_or_moved(proc, port, started, wait, taken=lambda p, _port: p.port_taken(),
+                                stop=lambda p: p.stop(), tries=tries, name=proc.name)
 
 
 def wait_router_workers(router: ManagedProcess, url: str, n_workers: int, timeout_s: float) -> None:

@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import torch
 
+from infra.ports import free_port
 from rollout.sglang.client import SGLangError, post
-from rollout.sglang.server import free_port
 
 _GROUP_IDS = itertools.count()
 

@@ -55,7 +55,7 @@ class ProcessRanks:
         self._procs: list[Any] = []
 
     def start(self, timeout_s: float | None) -> list[Answer]:
-        from trainers.megatron.model import free_port
+        from infra.ports import free_port
 
         config, model_dir, threads, kwargs = self._spec
         ctx = mp.get_context("spawn")

@@ -4,21 +4,14 @@ the process groups, and compute vocab-parallel token log-probs and entropy from 
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.nn.functional as F
 
+from infra.ports import free_port
 from trainers.megatron.weight_mapping import ModelShape, padded_vocab_size
 
 Tensor = torch.Tensor
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (for a single-machine rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def process_group_backend(cuda_available: bool) -> str:
