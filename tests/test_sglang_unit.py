@@ -62,7 +62,7 @@ def test_batched_payload_and_results():
     (0, 8, 2, []),
 ])
 def test_request_chunks_cut_consecutive_calls(n, size, workers, expected):
-    from rollout.sglang.engine import request_chunks
+    from rollout.sglang.batch import request_chunks
 
     chunks = request_chunks(n, size, workers)
     assert [len(c) for c in chunks] == expected

@@ -5,7 +5,8 @@ Server processes run from the SGLang environment built by ``scripts/setup_sglang
 (``.venv-sglang``); this package itself only needs httpx and torch.
 """
 
+from rollout.sglang.batch import RolloutBatch
 from rollout.sglang.config import SGLangConfig
-from rollout.sglang.engine import RolloutBatch, SGLangEngine
+from rollout.sglang.engine import SGLangEngine
 
 __all__ = ["RolloutBatch", "SGLangConfig", "SGLangEngine"]

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,12 +32,12 @@ import torch
 
 from infra.ports import free_port
 from rollout.engine import GenerationResult, SamplingParams
+from rollout.sglang.batch import RolloutBatch, Worker, cancel_if_cancelled, request_chunks
 from rollout.sglang.client import (
     SGLangError,
     generate_payload,
     healthy,
     parse_generate_batch,
-    post,
     served_weight_version,
 )
 from rollout.sglang.config import SGLangConfig, section
@@ -61,79 +60,6 @@ from rollout.sglang.weight_sync import (
 log = logging.getLogger(__name__)
 _MAX_REISSUES = 50  # re-issues after server-side aborts (weight-update pauses), per request
 _CONNECTION_LOST = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
-
-
-def request_chunks(n: int, request_batch_size: int, workers: int) -> list[list[int]]:
-    """Prompt indices ``0..n-1`` cut into consecutive ``/generate`` calls of ``size`` prompts
-    (the last may be shorter), small enough that every worker gets one:
-
-        size = max(1, min(request_batch_size, ceil(n / workers)))
-    """
-    size = max(1, min(request_batch_size, math.ceil(n / max(1, workers))))
-    return [list(range(lo, min(lo + size, n))) for lo in range(0, n, size)]
-
-
-def _cancel_if_cancelled(prompt_futures: list[Future], call: Future) -> None:
-    """A call the shutdown cancelled before it ran leaves none of its prompts waiting."""
-    if call.cancelled():
-        for future in prompt_futures:
-            future.cancel()
-
-
-@dataclass
-class Worker:
-    """One SGLang server as the engine sees it."""
-
-    url: str
-    server: SGLangServer | None = None  # None: an external server (given by URL)
-    up: bool = True
-    inflight: int = 0
-    failures: int = 0
-    restarts: int = 0
-    stale: bool = False  # restarted behind the served version, no checkpoint to reload: next sync
-    wake: threading.Event = field(default_factory=threading.Event)
-
-
-@dataclass
-class RolloutBatch:
-    """Handle on a submitted batch: results in prompt order, or abort what is still running."""
-
-    engine: SGLangEngine
-    futures: list[Future] = field(default_factory=list)
-    aborted: threading.Event = field(default_factory=threading.Event)
-    _live: dict[int, tuple[str, str]] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def track(self, index: int, url: str, rid: str) -> None:
-        with self._lock:
-            self._live[index] = (url, rid)
-
-    def untrack(self, index: int) -> None:
-        with self._lock:
-            self._live.pop(index, None)
-
-    def abort(self) -> int:
-        """Abort every request not finished yet (they return ``finish_reason='abort'`` with the
-        tokens generated so far; unsent ones return empty). Returns how many were live."""
-        self.aborted.set()
-        with self._lock:
-            live = list(self._live.values())
-        for _url, rid in live:
-            for w in self.engine.workers:  # the router may have placed it anywhere
-                try:
-                    post(self.engine.http, w.url, "/abort_request", {"rid": rid}, 10.0)
-                except SGLangError:
-                    pass
-        return len(live)
-
-    def as_completed(self) -> Iterator[tuple[int, GenerationResult]]:
-        """(prompt index, result) as each finishes."""
-        index = {f: i for i, f in enumerate(self.futures)}
-        for f in as_completed(self.futures):
-            yield index[f], f.result()
-
-    def results(self) -> list[GenerationResult]:
-        return [f.result() for f in self.futures]
 
 
 class SGLangEngine:
@@ -289,7 +215,7 @@ class SGLangEngine:
         size = 1 if self.router_url else self.config.request_batch_size
         for indices in request_chunks(len(prompts), size, len(self.workers)):
             call = self._pool.submit(self._settle, batch, indices, [list(prompts[i]) for i in indices], sampling)
-            call.add_done_callback(partial(_cancel_if_cancelled, [batch.futures[i] for i in indices]))
+            call.add_done_callback(partial(cancel_if_cancelled, [batch.futures[i] for i in indices]))
         return batch
 
     def _settle(self, batch: RolloutBatch, indices: list[int], prompts: list[list[int]],
