@@ -10,6 +10,7 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import pytest
 
@@ -327,9 +328,14 @@ class FakeLaunch:
 
     def __init__(self, fake: FakeSGLang) -> None:
         self.fake, self.up, self.relaunched, self.during = fake, True, [], None
+        self.url = fake.url
+        self.spec = SimpleNamespace(port=int(fake.url.rsplit(":", 1)[1]))
 
     def alive(self) -> bool:
         return self.up
+
+    def port_taken(self) -> bool:
+        return False
 
     def relaunch(self, path: str, version: str) -> None:
         self.relaunched.append((path, version))

@@ -253,15 +253,35 @@ def started_on_both(engine: SGLangEngine, prompts: list[list[int]], sampling: Sa
     raise AssertionError(f"none of {attempts} batches was seen in flight on both servers")
 
 
+def hold_port(port: int, timeout_s: float = 60.0) -> socket.socket:
+    """A socket listening on ``port`` once the process that held it has let it go."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        holder = socket.socket()
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # its connections' TIME_WAIT
+        try:
+            holder.bind(("127.0.0.1", port))
+            holder.listen()
+            return holder
+        except OSError:
+            holder.close()
+            assert time.monotonic() < deadline, f"port {port} still held"
+            time.sleep(0.05)
+
+
 def test_dead_and_hung_servers_are_restarted_and_batch_completes(engine, ckpts):
     """Mid-rollout, server 0 is killed (SIGKILL to its process group) and server 1 hangs
     (SIGSTOP): the monitors restart both at the current weight version, the lost requests are
-    re-issued, and the batch completes with every sample."""
+    re-issued, and the batch completes with every sample. Another process takes the dead
+    server's port meanwhile (the test, as soon as the kill frees it; the restart loads for
+    seconds before it binds): the restart moves to another port, and its URL follows."""
     dead, hung = engine.workers
+    dead_url, hung_url = dead.url, hung.url
     prompts = PROMPTS * 8
     batch = started_on_both(engine, prompts, SamplingParams(max_new_tokens=32, temperature=1.0))
     os.killpg(dead.server.pid, signal.SIGKILL)
     os.killpg(hung.server.pid, signal.SIGSTOP)
+    holder = hold_port(dead.server.spec.port)
     results = batch.results()
     assert len(results) == len(prompts)
     assert all(r.finish_reason in ("stop", "length") for r in results)
@@ -270,6 +290,9 @@ def test_dead_and_hung_servers_are_restarted_and_batch_completes(engine, ckpts):
         assert engine._cond.wait_for(lambda: all(w.restarts >= 1 and w.up for w in (dead, hung)),
                                      timeout=HANG_GUARD_S), "hang guard: both servers not restarted"
     assert engine.stats["restarts"] >= 2 and engine.stats["reissued"] > 0
+    holder.close()
+    assert dead.url != dead_url and dead.url == dead.server.url and hung.url == hung_url
+    assert f"{dead_url.rsplit(':', 1)[1]}): address already in use" in Path(dead.server.log_path).read_text()
     for w in (dead, hung):
         assert w.server.alive() and served_weight_version(engine.http, w.url) == "4"
     # both restarted servers serve: each call's two requests go to the least busy server, but a

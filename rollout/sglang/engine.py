@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import torch
 
-from infra.ports import free_port
+from infra.ports import PORT_TRIES, free_port
 from rollout.engine import GenerationResult, SamplingParams
 from rollout.sglang.batch import RolloutBatch, Worker, cancel_if_cancelled, request_chunks
 from rollout.sglang.client import (
@@ -433,11 +433,18 @@ class SGLangEngine:
 
     def _restart(self, w: Worker) -> None:
         """Relaunch ``w`` on its port from the newest checkpoint at the current version; if a
-        sync landed meanwhile, bring it to that version from disk; then put it back in service."""
+        sync landed meanwhile, bring it to that version from disk; then put it back in service.
+        A port another process took while the server was down (or loading) is left for a new
+        free one, unless a router knows the server by its URL (then the next check tries the
+        same port again)."""
         log.warning("restarting SGLang server %s (pid %s)", w.url, w.server.pid)
         path, version = self._disk
         w.server.relaunch(path, str(version))
-        wait_ready(w.server, w.url, self.config.startup_timeout_s)
+        w.server, _ = ready_or_moved(
+            w.server, w.server.spec.port, lambda port: SGLangServer(replace(w.server.spec, port=port)),
+            lambda server, _port: wait_ready(server, server.url, self.config.startup_timeout_s),
+            tries=1 if self.router_url else PORT_TRIES)
+        w.url = w.server.url  # down meanwhile: no request was sent to it
         with self._sync_lock:
             path, version = self._disk
             if served_weight_version(self.http, w.url) != str(version):
