@@ -111,7 +111,7 @@ def iteration_split(iterations: int, overrides: list[str] = ()
     out = {name: statistics.median(r.get(name, 0.0) for r in rows) for name in [*PHASES, "total", "wall"]}
     out["in_flow_other"] = out["total"] - sum(out[p] for p in PHASES)
     out["outside_flow"] = out["wall"] - out["total"]
-    # stalls: the "no multi-second stalls" (a 60 s one: docs/operations.md, Async mode)
+    # stalls: the "no multi-second stalls" (a 60 s one: docs/async-log.md)
     out["max_wall"] = max((r["wall"] for r in rows), default=0.0)
     out["walls_over_1s"] = float(sum(r["wall"] > 1.0 for r in rows))
     cpu_ms = per_iteration_ms(cpu[0], cpu[-1], cpu_at[1] - cpu_at[0]) if len(cpu) == 2 else {}

@@ -2,7 +2,7 @@
 
 ``flows.rl.rl_run`` called from a script without ``PREFECT_API_URL`` gets Prefect's own
 temporary server, which differs from rlake's embedded one (``infra.prefect_server``): Prefect's
-own app, without ``infra.prefect_app``'s fix of the 60 s stall (docs/operations.md), no
+own app, without ``infra.prefect_app``'s fix of the 60 s stall (docs/async-log.md), no
 template database, and it outlives a killed bench. The benches start rlake's instead, shared by their runs.
 """
 

@@ -6,7 +6,7 @@ stack), then the Python stacks.
 
     python bench/stalls.py --checkpoint CKPT [--runs 6] [--iterations 150] [--set mode=async ...]
 
-Found with it (2026-11-27, docs/operations.md, Async mode): about one iteration in ~1000 ended
+Found with it (2026-11-27, docs/async-log.md): about one iteration in ~1000 ended
 ~60-75 s late, the training loop waiting for a Prefect request the server did not answer for
 that long: its event loop was blocked freeing an errored aiosqlite cursor whose connection
 waited in SQLite's busy handler (fixed in infra/prefect_app.py; no gap over 1 s in 40 runs

@@ -1,7 +1,7 @@
 """The embedded Prefect server's SQLite fixes (infra/prefect_app.py), on real SQLite and aiosqlite;
 and its start-up heap taken out of the garbage collector's full collections.
 
-The ~60 s stall (docs/operations.md): an INSERT that fails "database is locked" leaves its
+The ~60 s stall (docs/async-log.md): an INSERT that fails "database is locked" leaves its
 aiosqlite cursor unclosed; freed later on the event loop's thread while that connection's own
 thread waits in SQLite's busy handler, the free blocks until the wait ends, and the lock it waits
 for belongs to a transaction the (blocked) event loop drives. Seen with Python 3.11's ``sqlite3``

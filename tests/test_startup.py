@@ -247,10 +247,13 @@ def test_a_run_whose_prefect_server_ends_stops_at_once_and_resume_finishes(tmp_p
     from infra.prefect_server import ensure_server, stop_server
 
     home = tmp_path / "home"
-    n = 60  # far more iterations than run before the server is gone
+    # far more iterations than run before the server's loss is seen (3-4 here, 2026-11-28: its
+    # watch checks every 0.5 s); no evaluation between (the resumes would repeat each one)
+    n = 30
     ensure_server(home)  # what `rlake serve` starts: the run finds it and uses it
     log = tmp_path / "lost-0.log"
-    proc = _lose_server_mid_run(home, _args(home, "lost", "--set", f"num_rollout={n}"), log,
+    proc = _lose_server_mid_run(home, _args(home, "lost", "--set", f"num_rollout={n}",
+                                            "--set", f"eval.eval_interval={n}"), log,
                                 lambda: stop_server(home))
     assert proc.returncode == 1, tail(log)
     [line] = _error_lines(log)
