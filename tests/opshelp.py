@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -84,3 +85,25 @@ def read_until(read: Callable[[], object], done: Callable[[object], bool], deadl
         if done(result) or time.monotonic() > end:
             return result
         time.sleep(1)
+
+
+def listening_socket(port: int = 0, reuse_addr: bool = False) -> socket.socket:
+    """A socket listening on 127.0.0.1:``port`` (0: a free one), as another process holding the
+    port would; ``reuse_addr`` binds past the TIME_WAIT connections of a process that just let
+    the port go (never past a listener)."""
+    holder = socket.socket()
+    if reuse_addr:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+    except OSError:
+        holder.close()
+        raise
+    return holder
+
+
+def taken_port_fixture() -> Iterator[int]:
+    """The body of a ``taken_port`` fixture: a port another process listens on while it lasts."""
+    with listening_socket() as holder:
+        yield holder.getsockname()[1]

@@ -6,7 +6,6 @@ runs, each against a port this test holds open."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from collections.abc import Iterator
 
@@ -14,15 +13,13 @@ import httpx
 import pytest
 
 from rollout.sglang.server import ManagedProcess, ready_or_moved, router_process, sglang_python, wait_ready
+from tests.opshelp import taken_port_fixture
 
 
 @pytest.fixture
 def taken_port() -> Iterator[int]:
     """A port another process listens on for the test's length."""
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        yield holder.getsockname()[1]
+    yield from taken_port_fixture()
 
 
 def http_server(tmp_path, launches: list[int]):

@@ -25,6 +25,7 @@ from rollout.sglang import SGLangConfig, SGLangEngine
 from rollout.sglang import engine as sglang_engine
 from rollout.sglang.client import served_weight_version
 from rollout.sglang.tiny_model import build_tiny_qwen2
+from tests.opshelp import listening_socket, taken_port_fixture
 
 pytestmark = pytest.mark.sglang
 torch.set_num_threads(1)
@@ -92,10 +93,7 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def taken_port():
     """A port another process listens on while the module's engine starts."""
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        yield holder.getsockname()[1]
+    yield from taken_port_fixture()
 
 
 @pytest.fixture(scope="module")
@@ -257,14 +255,9 @@ def hold_port(port: int, timeout_s: float = 60.0) -> socket.socket:
     """A socket listening on ``port`` once the process that held it has let it go."""
     deadline = time.monotonic() + timeout_s
     while True:
-        holder = socket.socket()
-        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # its connections' TIME_WAIT
         try:
-            holder.bind(("127.0.0.1", port))
-            holder.listen()
-            return holder
+            return listening_socket(port, reuse_addr=True)
         except OSError:
-            holder.close()
             assert time.monotonic() < deadline, f"port {port} still held"
             time.sleep(0.05)
 
