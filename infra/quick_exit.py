@@ -34,4 +34,16 @@ def _exit_now() -> None:
     os._exit(exit_code)
 
 
+def release_named_semaphores() -> None:
+    """Before an ``os._exit`` that skips the exit handlers (``infra.startup.server_lost``): unlink
+    the named semaphores this process's multiprocessing queues hold (async mode's rollout
+    process), as multiprocessing's own exit handler would. Otherwise its resource tracker, which
+    outlives the process, prints "There appear to be 6 leaked semaphore objects" under the
+    run's last line (it then unlinks them itself: nothing leaks, but the user reads a warning).
+    Runs multiprocessing's finalizers of exit priority >= 0 only: the semaphores' unlink (0) and
+    the queues' close (10), neither of which waits."""
+    if "multiprocessing.util" in sys.modules:
+        sys.modules["multiprocessing.util"]._run_finalizers(0)
+
+
 atexit.register(_exit_now)

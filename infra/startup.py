@@ -29,6 +29,7 @@ from pathlib import Path
 
 from infra.config import RunConfig, config_from_dict
 from infra.faults import fault_point
+from infra.quick_exit import release_named_semaphores
 
 DEFAULT_HOME = "./rlake-home"
 SERVER_LOST_EXIT = 1  # the CLI's code for a failed command
@@ -331,6 +332,7 @@ def server_lost(what: str, run_id: str, cfg: RunConfig) -> None:
         sys.stderr.flush()
     except (OSError, ValueError):  # a closed pipe: nothing to tell
         pass
+    release_named_semaphores()
     os._exit(SERVER_LOST_EXIT)
 
 

@@ -22,13 +22,14 @@ from tests.conftest import REPO
 # says it has freed the errored cursor (or, deadlocked, until HOLD_LIMIT_S); meanwhile the
 # cursor's connection waits for that lock in SQLite's busy handler. Prints what happened.
 DEADLOCK = r"""
-import asyncio, gc, json, os, sqlite3, sys, tempfile, threading, time
+import asyncio, gc, json, os, shutil, sqlite3, sys, tempfile, threading, time
 import aiosqlite
 from infra.prefect_app import close_dropped_cursors_on_their_thread
 if sys.argv[1] == "fixed":
     close_dropped_cursors_on_their_thread()
 HOLD_LIMIT_S = 10.0
-db = os.path.join(tempfile.mkdtemp(), "t.db")
+folder = tempfile.mkdtemp()
+db = os.path.join(folder, "t.db")
 setup = sqlite3.connect(db)
 setup.execute("PRAGMA journal_mode=WAL")
 setup.execute("CREATE TABLE t (v INTEGER PRIMARY KEY, w)")
@@ -75,6 +76,7 @@ async def main():
     print(json.dumps({"released_by": released["by"], "rows": rows[0]}))
 
 asyncio.run(main())
+shutil.rmtree(folder)
 """
 
 

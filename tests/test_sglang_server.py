@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import stat
 import tempfile
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -118,6 +119,20 @@ def test_a_server_whose_port_was_taken_started_on_another(engine, taken_port):
     assert all(w.up and w.server.alive() and w.server.spec.port == p for w, p in zip(engine.workers, ports, strict=True))
     first_log = Path(engine.workers[0].server.log_path).read_text()
     assert first_log.count(f"{taken_port}): address already in use") == 1
+
+
+def ipc_sockets(folder: str) -> list[Path]:
+    return [p for p in Path(folder).iterdir() if stat.S_ISSOCK(p.stat().st_mode)]
+
+
+def test_each_servers_temporary_files_are_in_its_own_folder(engine):
+    """SGLang makes its ZMQ sockets with ``tempfile`` and never removes them: each launch's go to
+    a folder of its own (its ``TMPDIR``), which stopping it removes (the restart test below)."""
+    folders = [w.server.tmp_dir for w in engine.workers]
+    assert len(set(folders)) == 2
+    for folder in folders:
+        assert Path(folder).parent == Path(tempfile.gettempdir())
+        assert len(ipc_sockets(folder)) >= 3  # tokenizer, scheduler, detokenizer at least
 
 
 def test_generation_matches_hf_logprobs(engine, ckpts):
@@ -270,6 +285,7 @@ def test_dead_and_hung_servers_are_restarted_and_batch_completes(engine, ckpts):
     seconds before it binds): the restart moves to another port, and its URL follows."""
     dead, hung = engine.workers
     dead_url, hung_url = dead.url, hung.url
+    old_folders = [dead.server.tmp_dir, hung.server.tmp_dir]
     prompts = PROMPTS * 8
     batch = started_on_both(engine, prompts, SamplingParams(max_new_tokens=32, temperature=1.0))
     os.killpg(dead.server.pid, signal.SIGKILL)
@@ -288,6 +304,8 @@ def test_dead_and_hung_servers_are_restarted_and_batch_completes(engine, ckpts):
     assert f"{dead_url.rsplit(':', 1)[1]}): address already in use" in Path(dead.server.log_path).read_text()
     for w in (dead, hung):
         assert w.server.alive() and served_weight_version(engine.http, w.url) == "4"
+        assert w.server.tmp_dir not in old_folders and ipc_sockets(w.server.tmp_dir)
+    assert not any(Path(folder).exists() for folder in old_folders)  # removed with their servers
     # both restarted servers serve: each call's two requests go to the least busy server, but a
     # request may end before the other is sent (both then on one server: seen once in CI,
     # 2026-11-27), so calls are repeated until both answered (a bound, not a timing)

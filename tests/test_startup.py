@@ -241,8 +241,10 @@ def _lose_server_mid_run(home: Path, args: list[str], log: Path, stop) -> subpro
 def test_a_run_whose_prefect_server_ends_stops_at_once_and_resume_finishes(tmp_path):
     """The server a run uses ends under it: the home's (as when its `rlake serve` stops), then a
     resume's own embedded one (killed). Each time the run ends with one error line saying how
-    to continue (it hung for minutes before, retrying every Prefect call), and the final resume
-    trains every iteration exactly once."""
+    to continue (it hung for minutes before, retrying every Prefect call), and nothing after it
+    (multiprocessing's resource tracker warned of "leaked semaphore objects", async mode's
+    queues', under it); the final resume trains every iteration exactly once. The run is in
+    async mode: its rollout process and its queues are what must end with it."""
     from buffer import Lake
     from infra.prefect_server import ensure_server, stop_server
 
@@ -253,7 +255,8 @@ def test_a_run_whose_prefect_server_ends_stops_at_once_and_resume_finishes(tmp_p
     ensure_server(home)  # what `rlake serve` starts: the run finds it and uses it
     log = tmp_path / "lost-0.log"
     proc = _lose_server_mid_run(home, _args(home, "lost", "--set", f"num_rollout={n}",
-                                            "--set", f"eval.eval_interval={n}"), log,
+                                            "--set", f"eval.eval_interval={n}", "--set", "mode=async",
+                                            "--set", "trainer.max_staleness=1"), log,
                                 lambda: stop_server(home))
     assert proc.returncode == 1, tail(log)
     [line] = _error_lines(log)
@@ -283,6 +286,8 @@ def test_a_run_whose_prefect_server_ends_stops_at_once_and_resume_finishes(tmp_p
                                                columns=["sample_uid"]).to_pylist()]
     assert len(uids) == len(set(uids)), "a sample written twice"
     _no_server_left(home)
+    for name in ("lost-0.log", "lost-1.log"):  # read last: the tracker would print after the exit
+        assert "leaked" not in (tmp_path / name).read_text(), tail(tmp_path / name)
 
 
 def test_prefects_queued_logs_reach_the_server_before_it_stops(tmp_path):

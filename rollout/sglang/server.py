@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,20 +82,29 @@ class ServerSpec:
 
 
 class ManagedProcess:
-    """A child process in its own session; ``stop`` signals its whole process group."""
+    """A child process in its own session; ``stop`` signals its whole process group.
+
+    Each launch gets its own temporary folder (``TMPDIR``: ``tmp_dir``), removed once its
+    process group is stopped: an SGLang server names its ZMQ sockets with
+    ``tempfile.NamedTemporaryFile(delete=False)`` (five a launch) and never removes them, so
+    every start and restart left files in the machine's /tmp."""
 
     def __init__(self, cmd: list[str], env: dict[str, str], log_path: str | None, name: str):
         self.cmd, self.env, self.log_path, self.name = cmd, env, log_path, name
         self.proc: subprocess.Popen | None = None
+        self.tmp_dir: str | None = None
         self._log_start = 0  # where this launch's output begins in the (appended) log
 
     def start(self) -> None:
+        # in the system's temporary folder, not under a run's home: a ZMQ socket path must
+        # stay within the OS's ~107 characters
+        self.tmp_dir = tempfile.mkdtemp(prefix="rlake-proc-")
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self._log_start = out.tell() if out is not subprocess.DEVNULL else 0
         try:
             self.proc = subprocess.Popen(
-                self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                self.cmd, env={**self.env, "TMPDIR": self.tmp_dir}, stdout=out,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )
         finally:
             if out is not subprocess.DEVNULL:
@@ -130,6 +141,9 @@ class ManagedProcess:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            self.tmp_dir = None
 
     def log_tail(self, n: int = 30) -> str:
         """The last ``n`` lines this launch wrote (an earlier launch's stay out)."""
