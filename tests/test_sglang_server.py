@@ -17,6 +17,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from functools import cache
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -25,6 +26,7 @@ from rollout.engine import GenerationResult, RolloutEngine, SamplingParams
 from rollout.sglang import SGLangConfig, SGLangEngine
 from rollout.sglang import engine as sglang_engine
 from rollout.sglang.client import served_weight_version
+from rollout.sglang.server import move_router_worker, router_process, wait_router_workers
 from rollout.sglang.tiny_model import build_tiny_qwen2
 from tests.opshelp import listening_socket, taken_port_fixture
 
@@ -245,6 +247,28 @@ def test_router_and_given_urls(engine, ckpts, tmp_path):
     finally:
         other.shutdown()
     assert all(w.server.alive() for w in engine.workers)  # not ours to stop
+
+
+def test_a_router_is_moved_to_a_restarted_servers_new_url(engine, tmp_path):
+    """What the monitor does behind a router when a restarted server moved to another port:
+    the router (a real sglang-router, in front of the first server) is told the new URL and
+    forgets the old one; it then lists and serves through the new one alone."""
+    old_url, new_url = engine.urls
+    port = free_port()
+    router = router_process([old_url], port, log_path=str(tmp_path / "router.log"))
+    router.start()
+    router_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_router_workers(router, router_url, 1, 120)
+        move_router_worker(router_url, old_url, new_url, timeout_s=60)
+        listed = httpx.get(f"{router_url}/workers", timeout=10).json()["workers"]
+        assert [(w["url"], w["is_healthy"]) for w in listed] == [(new_url, True)]
+        move_router_worker(router_url, old_url, new_url, timeout_s=60)  # again: nothing to do
+        answer = httpx.post(f"{router_url}/generate", timeout=60, json={
+            "input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}})
+        assert answer.status_code == 200 and answer.json()["output_ids"], answer.text
+    finally:
+        router.stop()
 
 
 def started_on_both(engine: SGLangEngine, prompts: list[list[int]], sampling: SamplingParams,

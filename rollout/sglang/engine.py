@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import torch
 
-from infra.ports import PORT_TRIES, free_port
+from infra.ports import free_port
 from rollout.engine import GenerationResult, SamplingParams
 from rollout.sglang.batch import RolloutBatch, Worker, cancel_if_cancelled, request_chunks
 from rollout.sglang.client import (
@@ -45,6 +45,7 @@ from rollout.sglang.server import (
     ManagedProcess,
     ServerSpec,
     SGLangServer,
+    move_router_worker,
     ready_or_moved,
     router_process,
     wait_ready,
@@ -435,15 +436,15 @@ class SGLangEngine:
         """Relaunch ``w`` on its port from the newest checkpoint at the current version; if a
         sync landed meanwhile, bring it to that version from disk; then put it back in service.
         A port another process took while the server was down (or loading) is left for a new
-        free one, unless a router knows the server by its URL (then the next check tries the
-        same port again)."""
+        free one: the worker's URL follows, and a router is told (it knows servers by URL)."""
         log.warning("restarting SGLang server %s (pid %s)", w.url, w.server.pid)
         path, version = self._disk
         w.server.relaunch(path, str(version))
         w.server, _ = ready_or_moved(
             w.server, w.server.spec.port, lambda port: SGLangServer(replace(w.server.spec, port=port)),
-            lambda server, _port: wait_ready(server, server.url, self.config.startup_timeout_s),
-            tries=1 if self.router_url else PORT_TRIES)
+            lambda server, _port: wait_ready(server, server.url, self.config.startup_timeout_s))
+        if self.router_url and w.server.url != w.url:
+            move_router_worker(self.router_url, w.url, w.server.url, self.config.startup_timeout_s)
         w.url = w.server.url  # down meanwhile: no request was sent to it
         with self._sync_lock:
             path, version = self._disk

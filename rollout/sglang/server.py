@@ -230,6 +230,39 @@ def wait_router_workers(router: ManagedProcess, url: str, n_workers: int, timeou
     raise TimeoutError(f"{router.name}: {n_workers} healthy workers not registered after {timeout_s:.0f} s")
 
 
+def _router_workers(client: httpx.Client, router_url: str) -> list[dict]:
+    try:
+        return client.get(f"{router_url}/workers", timeout=5).json().get("workers", [])
+    except (httpx.HTTPError, ValueError):
+        return []
+
+
+def move_router_worker(router_url: str, old_url: str, new_url: str, timeout_s: float) -> None:
+    """Have the router at ``router_url`` send to ``new_url`` instead of ``old_url`` (a server
+    restarted on another port). sglang-router 0.3.x queues both changes as background jobs (HTTP
+    202: ``POST /workers {"url"}``, ``DELETE /workers/{id}``), so each is waited for in ``GET
+    /workers``: the new worker listed healthy first, so the router is never left with none."""
+    deadline = time.monotonic() + timeout_s
+
+    def wait(what: str, done: Callable[[list[dict]], bool]) -> list[dict]:
+        while time.monotonic() < deadline:
+            workers = _router_workers(client, router_url)
+            if done(workers):
+                return workers
+            time.sleep(0.2)
+        raise TimeoutError(f"sglang-router {router_url}: {what} not done after {timeout_s:.0f} s")
+
+    with httpx.Client() as client:
+        if not any(w.get("url") == new_url for w in _router_workers(client, router_url)):
+            client.post(f"{router_url}/workers", json={"url": new_url}, timeout=10).raise_for_status()
+        workers = wait(f"adding {new_url}", lambda ws: any(
+            w.get("url") == new_url and w.get("is_healthy") for w in ws))
+        for w in workers:
+            if w.get("url") == old_url:
+                client.delete(f"{router_url}/workers/{w['id']}", timeout=10).raise_for_status()
+        wait(f"removing {old_url}", lambda ws: not any(w.get("url") == old_url for w in ws))
+
+
 def router_process(worker_urls: list[str], port: int, python: str | None = None,
                    host: str = "127.0.0.1", log_path: str | None = None) -> ManagedProcess:
     """An sglang-router (round robin) in front of ``worker_urls``; start it with ``.start()``."""
