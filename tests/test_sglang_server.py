@@ -127,6 +127,21 @@ def ipc_sockets(folder: str) -> list[Path]:
     return [p for p in Path(folder).iterdir() if stat.S_ISSOCK(p.stat().st_mode)]
 
 
+def shm_mapped_by_group(pgid: int) -> set[str]:
+    """Names under /dev/shm that the processes of group ``pgid`` map (an SGLang server's
+    scheduler: its load segment)."""
+    names = set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()[2]) != pgid:
+                continue
+            names |= {line.rsplit("/dev/shm/", 1)[1].split()[0]
+                      for line in Path(f"/proc/{entry}/maps").read_text().splitlines() if "/dev/shm/" in line}
+        except (OSError, ValueError):
+            continue
+    return names
+
+
 def test_each_servers_temporary_files_are_in_its_own_folder(engine):
     """SGLang makes its ZMQ sockets with ``tempfile`` and never removes them: each launch's go to
     a folder of its own (its ``TMPDIR``), which stopping it removes (the restart test below)."""
@@ -310,6 +325,8 @@ def test_dead_and_hung_servers_are_restarted_and_batch_completes(engine, ckpts):
     dead, hung = engine.workers
     dead_url, hung_url = dead.url, hung.url
     old_folders = [dead.server.tmp_dir, hung.server.tmp_dir]
+    old_segments = shm_mapped_by_group(dead.server.pid) | shm_mapped_by_group(hung.server.pid)
+    assert old_segments  # each scheduler maps its load segment
     prompts = PROMPTS * 8
     batch = started_on_both(engine, prompts, SamplingParams(max_new_tokens=32, temperature=1.0))
     os.killpg(dead.server.pid, signal.SIGKILL)
@@ -330,6 +347,7 @@ def test_dead_and_hung_servers_are_restarted_and_batch_completes(engine, ckpts):
         assert w.server.alive() and served_weight_version(engine.http, w.url) == "4"
         assert w.server.tmp_dir not in old_folders and ipc_sockets(w.server.tmp_dir)
     assert not any(Path(folder).exists() for folder in old_folders)  # removed with their servers
+    assert not {name for name in old_segments if Path("/dev/shm", name).exists()}  # and these
     # both restarted servers serve: each call's two requests go to the least busy server, but a
     # request may end before the other is sent (both then on one server: seen once in CI,
     # 2026-11-27), so calls are repeated until both answered (a bound, not a timing)

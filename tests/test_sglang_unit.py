@@ -4,6 +4,11 @@ and the pure-torch sgl_kernel stand-in installed into .venv-sglang."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import sys
+import time
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import pytest
@@ -18,7 +23,7 @@ from rollout.sglang.client import (
     sampling_payload,
 )
 from rollout.sglang.config import SGLangConfig, section
-from rollout.sglang.server import ServerSpec
+from rollout.sglang.server import SHM, ManagedProcess, ServerSpec
 from rollout.sglang.weight_sync import buckets
 
 torch.set_num_threads(1)
@@ -141,3 +146,46 @@ def test_standin_copy_all_layer_kv_cache_moves_slots_in_every_buffer():
         assert torch.equal(b, r)
     with pytest.raises(NotImplementedError, match="no CPU stand-in"):
         k.some_cuda_only_kernel()
+
+
+# what an SGLang server's processes leave behind, small: a named semaphore (spawn context), a
+# shared-memory segment named like its scheduler's, a file in its temporary folder
+LEAVES_BEHIND = """
+import multiprocessing, os, sys, tempfile, time
+from multiprocessing import shared_memory
+lock = multiprocessing.get_context("spawn").Lock()
+segment = shared_memory.SharedMemory(name=f"sglang_rlake_test_{os.getpid()}", create=True, size=64)
+open(os.path.join(tempfile.gettempdir(), "made-here"), "w").close()
+print(segment.name, lock._semlock.name.lstrip("/"), tempfile.gettempdir(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_stopped_process_leaves_nothing_in_tmp_or_dev_shm(tmp_path):
+    """A launch's temporary folder is its own and goes with it; the semaphore and shared memory
+    its processes left in /dev/shm (killed with their resource tracker, as SGLang kills its own)
+    are removed at its stop; a segment this process holds, made meanwhile, is not."""
+    log = tmp_path / "child.log"
+    proc = ManagedProcess([sys.executable, "-c", LEAVES_BEHIND], dict(os.environ), str(log), "leaver")
+    proc.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not log.read_text().strip():
+            assert proc.alive() and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        segment, semaphore, tmp = log.read_text().split()
+        assert tmp == proc.tmp_dir and (Path(tmp) / "made-here").exists()
+        held = shared_memory.SharedMemory(name=f"sglang_rlake_test_held_{os.getpid()}", create=True,
+                                          size=64)
+        os.killpg(proc.pid, signal.SIGKILL)  # the group: the resource tracker too
+        proc.proc.wait(timeout=30)
+        assert (SHM / segment).exists() and (SHM / f"sem.{semaphore}").exists()
+    finally:
+        proc.stop()
+    try:
+        assert not (SHM / segment).exists() and not (SHM / f"sem.{semaphore}").exists()
+        assert not Path(tmp).exists()
+        assert (SHM / held.name).exists()
+    finally:
+        held.close()
+        held.unlink()

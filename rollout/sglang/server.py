@@ -81,24 +81,71 @@ class ServerSpec:
         return env
 
 
+SHM = Path("/dev/shm")
+# what an SGLang server's processes leave there: its scheduler's load segment, multiprocessing's
+# semaphores (SGLang kills its own resource tracker with its children, before it unlinks them)
+SHM_PREFIXES = ("sglang_", "sem.mp-")
+
+
+def shm_in_use() -> set[str]:
+    """Names under /dev/shm that a process on this machine maps or holds open (Linux /proc)."""
+    used = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as maps:
+                used.update(line.rsplit("/dev/shm/", 1)[1].split()[0] for line in maps if "/dev/shm/" in line)
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                target = os.readlink(f"/proc/{entry}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    used.add(target[len("/dev/shm/"):].split()[0])
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return used
+
+
+def shm_names() -> set[str]:
+    return set(os.listdir(SHM)) if SHM.is_dir() else set()
+
+
+def remove_orphaned_shm(names: set[str]) -> list[str]:
+    """Unlink those of ``names`` (under /dev/shm, ``SHM_PREFIXES`` only) that still exist and no
+    process maps or holds open: left by processes that are gone, so nothing can reach them but
+    a new open by name, which only a holder would make. Returns what it removed."""
+    candidates = {n for n in names if n.startswith(SHM_PREFIXES)} & shm_names()
+    removed = []
+    for name in sorted(candidates - shm_in_use()) if candidates else []:
+        try:
+            (SHM / name).unlink()
+            removed.append(name)
+        except OSError:  # removed meanwhile
+            pass
+    return removed
+
+
 class ManagedProcess:
     """A child process in its own session; ``stop`` signals its whole process group.
 
     Each launch gets its own temporary folder (``TMPDIR``: ``tmp_dir``), removed once its
     process group is stopped: an SGLang server names its ZMQ sockets with
     ``tempfile.NamedTemporaryFile(delete=False)`` (five a launch) and never removes them, so
-    every start and restart left files in the machine's /tmp."""
+    every start and restart left files in the machine's /tmp. What its processes left in
+    /dev/shm (a shared-memory segment and a semaphore a launch) is removed then too
+    (``remove_orphaned_shm``)."""
 
     def __init__(self, cmd: list[str], env: dict[str, str], log_path: str | None, name: str):
         self.cmd, self.env, self.log_path, self.name = cmd, env, log_path, name
         self.proc: subprocess.Popen | None = None
         self.tmp_dir: str | None = None
+        self._shm_before: set[str] = set()  # /dev/shm when this launch started
         self._log_start = 0  # where this launch's output begins in the (appended) log
 
     def start(self) -> None:
         # in the system's temporary folder, not under a run's home: a ZMQ socket path must
         # stay within the OS's ~107 characters
         self.tmp_dir = tempfile.mkdtemp(prefix="rlake-proc-")
+        self._shm_before = shm_names()
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self._log_start = out.tell() if out is not subprocess.DEVNULL else 0
         try:
@@ -144,6 +191,9 @@ class ManagedProcess:
         if self.tmp_dir is not None:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
             self.tmp_dir = None
+        # made since this launch started and used by no process now: what its processes left
+        # (another server's, started meanwhile, is in use and stays)
+        remove_orphaned_shm(shm_names() - self._shm_before)
 
     def log_tail(self, n: int = 30) -> str:
         """The last ``n`` lines this launch wrote (an earlier launch's stay out)."""
