@@ -89,8 +89,11 @@ def test_sglang_uvicorn_and_router_name_a_taken_port(tmp_path, taken_port):
     router = router_process(["http://127.0.0.1:9"], taken_port, log_path=str(tmp_path / "router.log"))
     for proc in (uvicorn, router):
         proc.start()
-        proc.proc.wait(timeout=120)
-        assert proc.port_taken(), proc.log_tail()
+        try:
+            proc.proc.wait(timeout=120)
+            assert proc.port_taken(), proc.log_tail()
+        finally:
+            proc.stop()  # exited on its own: its temporary folder goes with the stop
 
 
 def test_the_embedded_prefect_server_moves_off_a_taken_port(tmp_path, taken_port, monkeypatch):
