@@ -26,7 +26,7 @@ from rollout.engine import GenerationResult, RolloutEngine, SamplingParams
 from rollout.sglang import SGLangConfig, SGLangEngine
 from rollout.sglang import engine as sglang_engine
 from rollout.sglang.client import served_weight_version
-from rollout.sglang.server import move_router_worker, router_process, wait_router_workers
+from rollout.sglang.server import move_router_worker, router_process, shm_in_use, wait_router_workers
 from rollout.sglang.tiny_model import build_tiny_qwen2
 from tests.opshelp import listening_socket, taken_port_fixture
 
@@ -127,19 +127,15 @@ def ipc_sockets(folder: str) -> list[Path]:
     return [p for p in Path(folder).iterdir() if stat.S_ISSOCK(p.stat().st_mode)]
 
 
-def shm_mapped_by_group(pgid: int) -> set[str]:
-    """Names under /dev/shm that the processes of group ``pgid`` map (an SGLang server's
+def shm_of_group(pgid: int) -> set[str]:
+    """Names under /dev/shm that the processes of group ``pgid`` use (an SGLang server's
     scheduler: its load segment)."""
-    names = set()
-    for entry in filter(str.isdigit, os.listdir("/proc")):
+    def in_group(entry: str) -> bool:
         try:
-            if int(Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()[2]) != pgid:
-                continue
-            names |= {line.rsplit("/dev/shm/", 1)[1].split()[0]
-                      for line in Path(f"/proc/{entry}/maps").read_text().splitlines() if "/dev/shm/" in line}
+            return int(Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()[2]) == pgid
         except (OSError, ValueError):
-            continue
-    return names
+            return False
+    return shm_in_use(int(e) for e in filter(str.isdigit, os.listdir("/proc")) if in_group(e))
 
 
 def test_each_servers_temporary_files_are_in_its_own_folder(engine):
@@ -325,7 +321,7 @@ def test_dead_and_hung_servers_are_restarted_and_batch_completes(engine, ckpts):
     dead, hung = engine.workers
     dead_url, hung_url = dead.url, hung.url
     old_folders = [dead.server.tmp_dir, hung.server.tmp_dir]
-    old_segments = shm_mapped_by_group(dead.server.pid) | shm_mapped_by_group(hung.server.pid)
+    old_segments = shm_of_group(dead.server.pid) | shm_of_group(hung.server.pid)
     assert old_segments  # each scheduler maps its load segment
     prompts = PROMPTS * 8
     batch = started_on_both(engine, prompts, SamplingParams(max_new_tokens=32, temperature=1.0))

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,12 +87,11 @@ SHM = Path("/dev/shm")
 SHM_PREFIXES = ("sglang_", "sem.mp-")
 
 
-def shm_in_use() -> set[str]:
-    """Names under /dev/shm that a process on this machine maps or holds open (Linux /proc)."""
+def shm_in_use(pids: Iterable[int] | None = None) -> set[str]:
+    """Names under /dev/shm that processes ``pids`` (default: every process on this machine) map
+    or hold open (Linux /proc)."""
     used = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for entry in map(str, pids) if pids is not None else filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/maps") as maps:
                 used.update(line.rsplit("/dev/shm/", 1)[1].split()[0] for line in maps if "/dev/shm/" in line)
@@ -114,8 +113,10 @@ def remove_orphaned_shm(names: set[str]) -> list[str]:
     process maps or holds open: left by processes that are gone, so nothing can reach them but
     a new open by name, which only a holder would make. Returns what it removed."""
     candidates = {n for n in names if n.startswith(SHM_PREFIXES)} & shm_names()
+    if not candidates:  # the usual case: no scan of every process
+        return []
     removed = []
-    for name in sorted(candidates - shm_in_use()) if candidates else []:
+    for name in sorted(candidates - shm_in_use()):
         try:
             (SHM / name).unlink()
             removed.append(name)
@@ -261,6 +262,14 @@ def ready_or_moved(proc: ManagedProcess, port: int, launch: Callable[[int], Mana
                                 stop=lambda p: p.stop(), tries=tries, name=proc.name)
 
 
+def router_workers(client: httpx.Client, router_url: str) -> list[dict]:
+    """The router's ``GET /workers`` listing; empty while it cannot answer."""
+    try:
+        return client.get(f"{router_url}/workers", timeout=5).json().get("workers", [])
+    except (httpx.HTTPError, ValueError):
+        return []
+
+
 def wait_router_workers(router: ManagedProcess, url: str, n_workers: int, timeout_s: float) -> None:
     """Wait until the router lists ``n_workers`` healthy workers in ``GET /workers`` (it answers
     before its workers are registered, and routes nothing until they are)."""
@@ -268,23 +277,12 @@ def wait_router_workers(router: ManagedProcess, url: str, n_workers: int, timeou
     deadline = time.monotonic() + timeout_s
     with httpx.Client() as client:
         while time.monotonic() < deadline:
-            try:
-                workers = client.get(f"{url}/workers", timeout=5).json().get("workers", [])
-                if sum(bool(w.get("is_healthy")) for w in workers) >= n_workers:
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
+            if sum(bool(w.get("is_healthy")) for w in router_workers(client, url)) >= n_workers:
+                return
             if not router.alive():
                 raise RuntimeError(f"{router.name} exited:\n{router.log_tail()}")
             time.sleep(0.5)
     raise TimeoutError(f"{router.name}: {n_workers} healthy workers not registered after {timeout_s:.0f} s")
-
-
-def _router_workers(client: httpx.Client, router_url: str) -> list[dict]:
-    try:
-        return client.get(f"{router_url}/workers", timeout=5).json().get("workers", [])
-    except (httpx.HTTPError, ValueError):
-        return []
 
 
 def move_router_worker(router_url: str, old_url: str, new_url: str, timeout_s: float) -> None:
@@ -294,23 +292,23 @@ def move_router_worker(router_url: str, old_url: str, new_url: str, timeout_s: f
     /workers``: the new worker listed healthy first, so the router is never left with none."""
     deadline = time.monotonic() + timeout_s
 
-    def wait(what: str, done: Callable[[list[dict]], bool]) -> list[dict]:
+    def wait(client: httpx.Client, what: str, done: Callable[[list[dict]], bool]) -> list[dict]:
         while time.monotonic() < deadline:
-            workers = _router_workers(client, router_url)
+            workers = router_workers(client, router_url)
             if done(workers):
                 return workers
             time.sleep(0.2)
         raise TimeoutError(f"sglang-router {router_url}: {what} not done after {timeout_s:.0f} s")
 
     with httpx.Client() as client:
-        if not any(w.get("url") == new_url for w in _router_workers(client, router_url)):
+        if not any(w.get("url") == new_url for w in router_workers(client, router_url)):
             client.post(f"{router_url}/workers", json={"url": new_url}, timeout=10).raise_for_status()
-        workers = wait(f"adding {new_url}", lambda ws: any(
+        workers = wait(client, f"adding {new_url}", lambda ws: any(
             w.get("url") == new_url and w.get("is_healthy") for w in ws))
         for w in workers:
             if w.get("url") == old_url:
                 client.delete(f"{router_url}/workers/{w['id']}", timeout=10).raise_for_status()
-        wait(f"removing {old_url}", lambda ws: not any(w.get("url") == old_url for w in ws))
+        wait(client, f"removing {old_url}", lambda ws: not any(w.get("url") == old_url for w in ws))
 
 
 def router_process(worker_urls: list[str], port: int, python: str | None = None,
