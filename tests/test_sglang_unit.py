@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from infra.ports import free_port
 from rollout.engine import SamplingParams
 from rollout.sglang.client import (
     SGLangError,
@@ -23,7 +24,7 @@ from rollout.sglang.client import (
     sampling_payload,
 )
 from rollout.sglang.config import SGLangConfig, section
-from rollout.sglang.server import SHM, ManagedProcess, ServerSpec
+from rollout.sglang.server import SHM, ManagedProcess, ServerSpec, SGLangServer
 from rollout.sglang.weight_sync import buckets
 
 torch.set_num_threads(1)
@@ -189,3 +190,38 @@ def test_a_stopped_process_leaves_nothing_in_tmp_or_dev_shm(tmp_path):
     finally:
         held.close()
         held.unlink()
+
+
+# a leader that records a SIGTERM and a child in its group that outlives it unless killed
+TERM_RECORDER = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: print("TERM", flush=True))
+child = os.fork()
+if child == 0:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(600)
+    os._exit(0)
+print("child", child, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_server_is_killed_at_once_and_none_of_its_group_outlives_the_stop(tmp_path):
+    """An SGLang server is not sent SIGTERM (it then sleeps 5 s before killing its own tree):
+    ``stop`` SIGKILLs its group and returns once every process of it is gone."""
+    log = tmp_path / "server.log"
+    server = SGLangServer(ServerSpec(model_path=str(tmp_path), port=free_port(), log_path=str(log)))
+    server.cmd = [sys.executable, "-c", TERM_RECORDER]  # the real class's stop, on a small child
+    server.start()
+    try:
+        deadline = time.monotonic() + 120
+        while "child" not in log.read_text():
+            assert server.alive() and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        child = int(log.read_text().split()[1])
+    finally:
+        server.stop()
+    assert "TERM" not in log.read_text()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server.pid, 0)
+    assert not Path(f"/proc/{child}").exists()
