@@ -260,6 +260,27 @@ def test_router_and_given_urls(engine, ckpts, tmp_path):
     assert all(w.server.alive() for w in engine.workers)  # not ours to stop
 
 
+def test_a_router_that_died_is_started_again_and_the_batch_completes(engine, ckpts, tmp_path):
+    """The sglang-router an engine launched is killed (SIGKILL to its group): the next batch's
+    requests through it fail, the engine starts the router again in front of the same servers,
+    and the batch completes through it, on the right weights."""
+    other = SGLangEngine.from_config({"urls": engine.urls, "router": True}, ckpts["a"], 4,
+                                     log_dir=tmp_path / "logs")
+    try:
+        dead = other.router
+        dead.signal_group(signal.SIGKILL)
+        dead.proc.wait(timeout=60)
+        results = other.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0))
+        assert other.stats["router_restarts"] == 1 and other.stats["request_failures"] >= 1
+        assert other.router is not dead and other.router.alive()
+        assert {r.meta["server"] for r in results} == {other.router_url}
+        assert all(r.finish_reason in ("stop", "length") for r in results)
+        assert mismatch(ckpts["a"], PROMPTS, results, 1.0) < TOL
+    finally:
+        other.shutdown()
+    assert all(w.server.alive() for w in engine.workers)  # not ours to stop
+
+
 def test_a_router_is_moved_to_a_restarted_servers_new_url(engine, tmp_path):
     """What the monitor does behind a router when a restarted server moved to another port:
     the router (a real sglang-router, in front of the first server) is told the new URL and

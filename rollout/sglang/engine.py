@@ -9,7 +9,8 @@ Weight sync: ``pause_generation`` -> disk or distributed update on every worker 
 served ``weight_version`` checked on every worker -> ``continue_generation``.
 Fault tolerance: a monitor thread probes ``/health_generate``; a dead or hung server it launched
 is restarted on the same port from the newest checkpoint (so it comes back at the current weight
-version), and the requests it lost are re-issued, so the batch completes.
+version), and the requests it lost are re-issued, so the batch completes. A router it launched
+that died is started again when a request through it fails.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class SGLangEngine:
         self._sender: DistributedWeightSender | None = None
         self.router = None
         self.router_url: str | None = None
-        self.stats = {"restarts": 0, "reissued": 0, "request_failures": 0}
+        self.stats = {"restarts": 0, "reissued": 0, "request_failures": 0, "router_restarts": 0}
+        self._router_lock = threading.Lock()  # one thread restarts or moves the router at a time
         # the servers' logs: rollout.sglang.log_dir (a run's engine: its run folder's logs/), or
         # a temporary folder made only when a server or router starts (``log_dir``)
         self._log_dir = Path(self.config.log_dir) if self.config.log_dir else None
@@ -151,16 +153,20 @@ class SGLangEngine:
             log_path=str(self.log_dir / f"sglang-{index}.log"),
         ))
 
-    def _start_router(self) -> None:
+    def _start_router(self, port: int | None = None, healthy_workers: int | None = None) -> None:
+        """An sglang-router in front of the workers (on ``port``, else a free one; on another if
+        that one is taken meanwhile), ready once it lists ``healthy_workers`` (default: all)
+        as healthy."""
         urls, timeout_s = [w.url for w in self.workers], self.config.startup_timeout_s
+        n_healthy = len(urls) if healthy_workers is None else max(healthy_workers, 1)
 
         def launch(port: int) -> ManagedProcess:
             return router_process(urls, port, self.config.python, log_path=str(self.log_dir / "router.log"))
 
         def wait(router: ManagedProcess, port: int) -> None:
-            wait_router_workers(router, f"http://127.0.0.1:{port}", len(urls), timeout_s)
+            wait_router_workers(router, f"http://127.0.0.1:{port}", n_healthy, timeout_s)
 
-        port = free_port()
+        port = port or free_port()
         self.router = launch(port)
         self.router.start()
         self.router, port = ready_or_moved(self.router, port, launch, wait)
@@ -398,9 +404,29 @@ class SGLangEngine:
 
     # ----------------------------------------------------------------- health
     def _suspect(self, worker: Worker) -> None:
-        """A request failed on ``worker`` (on any worker, behind a router): check it now."""
+        """A request failed on ``worker`` (on any worker, behind a router): check it now, and
+        the router too (``_revive_router``)."""
         for w in self.workers if self.router_url else [worker]:
             w.wake.set()
+        if self.router is not None:
+            self._revive_router()
+
+    def _revive_router(self) -> None:
+        """A router this engine launched whose process died is started again in front of the
+        workers, on its port (another if that one was taken meanwhile): the requests sent
+        through it fail until then and are re-issued (``_request``). A hung router is not
+        detected (nothing probes it: the monitors probe the servers)."""
+        with self._router_lock:
+            if self.router is None or self.router.alive() or self._closed:
+                return
+            log.warning("the sglang-router at %s exited (code %s); starting it again",
+                        self.router_url, self.router.proc.returncode)
+            self.router.stop()  # its temporary folder
+            # those up now: one down meanwhile is restarting (the router finds it later)
+            self._start_router(int(self.router_url.rsplit(":", 1)[1]),
+                               healthy_workers=sum(w.up for w in self.workers))
+            with self._cond:
+                self.stats["router_restarts"] += 1
 
     def _monitor_loop(self, w: Worker) -> None:
         """One thread per worker: probe every ``health_interval_s`` (or when woken)."""
@@ -444,7 +470,8 @@ class SGLangEngine:
             w.server, w.server.spec.port, lambda port: SGLangServer(replace(w.server.spec, port=port)),
             lambda server, _port: wait_ready(server, server.url, self.config.startup_timeout_s))
         if self.router_url and w.server.url != w.url:
-            move_router_worker(self.router_url, w.url, w.server.url, self.config.startup_timeout_s)
+            with self._router_lock:  # not while a revived router starts with the old URL
+                move_router_worker(self.router_url, w.url, w.server.url, self.config.startup_timeout_s)
         w.url = w.server.url  # down meanwhile: no request was sent to it
         with self._sync_lock:
             path, version = self._disk
