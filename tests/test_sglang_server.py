@@ -26,7 +26,13 @@ from rollout.engine import GenerationResult, RolloutEngine, SamplingParams
 from rollout.sglang import SGLangConfig, SGLangEngine
 from rollout.sglang import engine as sglang_engine
 from rollout.sglang.client import served_weight_version
-from rollout.sglang.server import move_router_worker, router_process, shm_in_use, wait_router_workers
+from rollout.sglang.server import (
+    group_members,
+    move_router_worker,
+    router_process,
+    shm_in_use,
+    wait_router_workers,
+)
 from rollout.sglang.tiny_model import build_tiny_qwen2
 from tests.opshelp import listening_socket, taken_port_fixture
 
@@ -130,12 +136,7 @@ def ipc_sockets(folder: str) -> list[Path]:
 def shm_of_group(pgid: int) -> set[str]:
     """Names under /dev/shm that the processes of group ``pgid`` use (an SGLang server's
     scheduler: its load segment)."""
-    def in_group(entry: str) -> bool:
-        try:
-            return int(Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()[2]) == pgid
-        except (OSError, ValueError):
-            return False
-    return shm_in_use(int(e) for e in filter(str.isdigit, os.listdir("/proc")) if in_group(e))
+    return shm_in_use(group_members(pgid))
 
 
 def test_each_servers_temporary_files_are_in_its_own_folder(engine):

@@ -24,7 +24,7 @@ from rollout.sglang.client import (
     sampling_payload,
 )
 from rollout.sglang.config import SGLangConfig, section
-from rollout.sglang.server import SHM, ManagedProcess, ServerSpec, SGLangServer
+from rollout.sglang.server import SHM, ManagedProcess, ServerSpec, SGLangServer, group_members
 from rollout.sglang.weight_sync import buckets
 
 torch.set_num_threads(1)
@@ -219,9 +219,9 @@ def test_a_server_is_killed_at_once_and_none_of_its_group_outlives_the_stop(tmp_
             assert server.alive() and time.monotonic() < deadline, log.read_text()
             time.sleep(0.05)
         child = int(log.read_text().split()[1])
+        assert sorted(group_members(server.pid)) == sorted([server.pid, child])
+        assert not server.wait_group_gone(0.1)  # what stop waits for, after its SIGKILL
     finally:
         server.stop()
     assert "TERM" not in log.read_text()
-    with pytest.raises(ProcessLookupError):
-        os.killpg(server.pid, 0)
-    assert not Path(f"/proc/{child}").exists()
+    assert group_members(server.pid) == []  # the child too (at most a zombie, if not reaped yet)

@@ -104,6 +104,22 @@ def shm_in_use(pids: Iterable[int] | None = None) -> set[str]:
     return used
 
 
+def group_members(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` that are alive, not zombies (Linux /proc): an
+    orphan nobody reaps (PID 1 of a container that does not) stays a zombie for good."""
+    members = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # "pid (comm) state ppid pgrp ...": comm may hold spaces, so split after the last ')'
+                state, _, pgrp = f.read().rpartition(")")[2].split()[:3]
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+        if int(pgrp) == pgid and state not in ("Z", "X"):
+            members.append(int(entry))
+    return members
+
+
 def shm_names() -> set[str]:
     return set(os.listdir(SHM)) if SHM.is_dir() else set()
 
@@ -176,19 +192,14 @@ class ManagedProcess:
     stop_grace_s = 10.0  # what ``stop`` waits after SIGTERM before SIGKILL
 
     def wait_group_gone(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` until no process of this process's group is left
-        (False if one still is; a zombie counts until its new parent reaps it)."""
+        """Wait up to ``timeout_s`` until no live process of this process's group is left
+        (``group_members``); False if one still is."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                os.killpg(self.proc.pid, 0)
-            except ProcessLookupError:
-                return True
-            except PermissionError:  # a member we may not signal: it exists
-                pass
+        while group_members(self.proc.pid):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.02)
+        return True
 
     def stop(self, grace_s: float | None = None) -> None:
         """SIGTERM the group (SIGCONT too, in case it was stopped), wait up to ``grace_s``
