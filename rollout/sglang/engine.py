@@ -469,10 +469,12 @@ class SGLangEngine:
         w.server, _ = ready_or_moved(
             w.server, w.server.spec.port, lambda port: SGLangServer(replace(w.server.spec, port=port)),
             lambda server, _port: wait_ready(server, server.url, self.config.startup_timeout_s))
-        if self.router_url and w.server.url != w.url:
-            with self._router_lock:  # not while a revived router starts with the old URL
+        # under the lock: a router revived meanwhile starts with the workers' URLs, so it must
+        # not read them between the move and the new URL (down meanwhile: no request was sent)
+        with self._router_lock:
+            if self.router_url and w.server.url != w.url:
                 move_router_worker(self.router_url, w.url, w.server.url, self.config.startup_timeout_s)
-        w.url = w.server.url  # down meanwhile: no request was sent to it
+            w.url = w.server.url
         with self._sync_lock:
             path, version = self._disk
             if served_weight_version(self.http, w.url) != str(version):
