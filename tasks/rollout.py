@@ -26,7 +26,15 @@ def generate_rollouts(rt: Runtime, iteration: int) -> RolloutOutput:
     out = rt.rollout(ctx, iteration)
     rt.data_position = ctx.data_position
     out.stats["data/skipped_too_long"] = float(rt.dataset.skipped_too_long)
+    out.stats.update(engine_counters(rt.engine))
     return out
+
+
+def engine_counters(engine) -> dict[str, float]:
+    """The engine's own counters as metrics, ``<engine name>/<counter>`` (SGLang's: servers and
+    routers restarted, requests failed and re-issued), each counted since the engine started
+    (in this process: a resume starts from 0); none for an engine without ``stats``."""
+    return {f"{engine.name}/{k}": float(v) for k, v in getattr(engine, "stats", {}).items()}
 
 
 @step_task(name="score")

@@ -8,6 +8,7 @@ import pytest
 
 from buffer import Lake
 from infra.checkpoints import saved_versions
+from rollout.context import rollout_stats_from_commit
 from tests.learning import EVAL_INTERVAL, LATE_VERSIONS, LEARN_ITERATIONS, assert_learned
 
 pytestmark = pytest.mark.sglang
@@ -41,5 +42,11 @@ def test_sglang_engine_learns_the_quickstart_task(tmp_path, cli, warm_model):
     # ... without a checkpoint per version: v0, every 20th and the last only
     saved = saved_versions(tmp_path / "runs" / "sglang" / "checkpoints")
     assert saved[-1] == ITERATIONS and all(v % 20 == 0 for v in saved), saved
+    # the engine's counters are each iteration's metrics, in the commit of its rows: no server
+    # restarted and no request failed in this run
+    for i in (0, ITERATIONS - 1):
+        stats = rollout_stats_from_commit(lake.trajectory_commit_info("sglang", i))
+        assert stats["sglang/restarts"] == stats["sglang/request_failures"] == 0.0, stats
+        assert "sglang/router_restarts" in stats and "sglang/reissued" in stats
     # the server's log is in the run's folder (rollout.sglang.log_dir unset), where a user looks
     assert (tmp_path / "runs" / "sglang" / "logs" / "sglang-0.log").stat().st_size > 0
