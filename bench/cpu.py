@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from infra.affinity import child_pids
+from infra.recovery import stat_fields
 
 # a child's role from its command line (the first match wins); others are "other"
 ROLES = (("uvicorn", "prefect_server"), ("tracker_process", "mlflow_tracker"),
@@ -24,9 +25,8 @@ ROLES = (("uvicorn", "prefect_server"), ("tracker_process", "mlflow_tracker"),
 
 def _cpu_seconds(pid: int) -> float | None:
     """User + system CPU of process ``pid`` (all its threads), or None when it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
+    fields = stat_fields(pid)
+    if len(fields) < 13:  # gone
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 

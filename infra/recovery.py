@@ -56,16 +56,21 @@ def _cmdline(pid: int) -> str:
     return _read(Path(f"/proc/{pid}/cmdline")).replace(b"\0", b" ").decode(errors="replace")
 
 
+def stat_fields(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, ppid, pgrp, ...);
+    empty when the process is gone."""
+    # "pid (comm) state ppid pgrp ...": comm may hold spaces, so split after the last ')'
+    return _read(Path(f"/proc/{pid}/stat")).decode(errors="replace").rpartition(")")[2].split()
+
+
 def parent_pid(pid: int) -> int | None:
     """The parent of process ``pid`` (from /proc), or None when it is gone."""
-    stat = _read(Path(f"/proc/{pid}/stat")).decode(errors="replace")
-    # "pid (comm) state ppid ...": comm may hold spaces, so split after the last ')'
-    fields = stat.rpartition(")")[2].split()
+    fields = stat_fields(pid)
     return int(fields[1]) if len(fields) > 1 else None
 
 
 def pid_alive(pid: int) -> bool:
-    state = _read(Path(f"/proc/{pid}/stat")).decode(errors="replace").rpartition(")")[2].split()
+    state = stat_fields(pid)
     return bool(state) and state[0] not in ("Z", "X")
 
 

@@ -22,6 +22,7 @@ import httpx
 
 from infra import ports
 from infra.ports import PORT_TAKEN
+from infra.recovery import stat_fields
 
 log = logging.getLogger(__name__)
 
@@ -108,15 +109,10 @@ def group_members(pgid: int) -> list[int]:
     """The processes of process group ``pgid`` that are alive, not zombies (Linux /proc): an
     orphan nobody reaps (PID 1 of a container that does not) stays a zombie for good."""
     members = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                # "pid (comm) state ppid pgrp ...": comm may hold spaces, so split after the last ')'
-                state, _, pgrp = f.read().rpartition(")")[2].split()[:3]
-        except (OSError, ValueError):  # gone meanwhile
-            continue
-        if int(pgrp) == pgid and state not in ("Z", "X"):
-            members.append(int(entry))
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        fields = stat_fields(pid)  # empty: gone meanwhile
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(pid)
     return members
 
 
