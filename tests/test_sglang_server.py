@@ -30,7 +30,9 @@ from rollout.sglang.server import (
     group_members,
     move_router_worker,
     router_process,
-    shm_in_use,
+    shm_files_in_use,
+    shm_inode,
+    shm_names,
     wait_router_workers,
 )
 from rollout.sglang.tiny_model import build_tiny_qwen2
@@ -135,8 +137,9 @@ def ipc_sockets(folder: str) -> list[Path]:
 
 def shm_of_group(pgid: int) -> set[str]:
     """Names under /dev/shm that the processes of group ``pgid`` use (an SGLang server's
-    scheduler: its load segment)."""
-    return shm_in_use(group_members(pgid))
+    scheduler: its load segment; its semaphore)."""
+    used = shm_files_in_use(group_members(pgid))
+    return {name for name in shm_names() if shm_inode(name) in used}
 
 
 def test_each_servers_temporary_files_are_in_its_own_folder(engine):

@@ -4,8 +4,10 @@ and the pure-torch sgl_kernel stand-in installed into .venv-sglang."""
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import time
 from multiprocessing import shared_memory
@@ -24,7 +26,7 @@ from rollout.sglang.client import (
     sampling_payload,
 )
 from rollout.sglang.config import SGLangConfig, section
-from rollout.sglang.server import SHM, ManagedProcess, ServerSpec, SGLangServer, group_members
+from rollout.sglang.server import SHM, ManagedProcess, ServerSpec, SGLangServer, group_members, wait_ready
 from rollout.sglang.weight_sync import buckets
 
 torch.set_num_threads(1)
@@ -162,13 +164,38 @@ time.sleep(600)
 """
 
 
-def test_a_stopped_process_leaves_nothing_in_tmp_or_dev_shm(tmp_path):
+# a semaphore left by a process that is not the stopped one's: made, then its maker killed with
+# its resource tracker before it unlinked it
+FOREIGN_ORPHAN = """
+import multiprocessing, os, signal
+lock = multiprocessing.get_context("spawn").Lock()
+print(lock._semlock.name.lstrip("/"), flush=True)
+os.killpg(0, signal.SIGKILL)
+"""
+
+
+def foreign_orphan_semaphore() -> str:
+    out = subprocess.run([sys.executable, "-c", FOREIGN_ORPHAN], capture_output=True, text=True,
+                         start_new_session=True, timeout=120)
+    name = f"sem.{out.stdout.split()[0]}"
+    assert (SHM / name).exists(), out.stderr
+    return name
+
+
+@pytest.mark.parametrize("dead_before_stop", [False, True], ids=["stopped", "died"])
+def test_a_stopped_process_leaves_nothing_in_tmp_or_dev_shm(tmp_path, dead_before_stop):
     """A launch's temporary folder is its own and goes with it; the semaphore and shared memory
     its processes left in /dev/shm (killed with their resource tracker, as SGLang kills its own)
-    are removed at its stop; a segment this process holds, made meanwhile, is not."""
+    are removed at its stop, whether it was alive then or had died while starting (noted by
+    ``wait_ready``). What other processes made meanwhile stays: a segment and a
+    semaphore this process holds (a semaphore's maker maps it under another name: it looked
+    unused, and was removed, before 2026-11-28), and another process's orphaned semaphore."""
     log = tmp_path / "child.log"
     proc = ManagedProcess([sys.executable, "-c", LEAVES_BEHIND], dict(os.environ), str(log), "leaver")
     proc.start()
+    held_lock = multiprocessing.get_context("spawn").Lock()  # made meanwhile, never opened by name
+    held_semaphore = f"sem.{held_lock._semlock.name.lstrip('/')}"
+    foreign = foreign_orphan_semaphore()
     try:
         deadline = time.monotonic() + 120
         while not log.read_text().strip():
@@ -178,18 +205,22 @@ def test_a_stopped_process_leaves_nothing_in_tmp_or_dev_shm(tmp_path):
         assert tmp == proc.tmp_dir and (Path(tmp) / "made-here").exists()
         held = shared_memory.SharedMemory(name=f"sglang_rlake_test_held_{os.getpid()}", create=True,
                                           size=64)
-        os.killpg(proc.pid, signal.SIGKILL)  # the group: the resource tracker too
-        proc.proc.wait(timeout=30)
-        assert (SHM / segment).exists() and (SHM / f"sem.{semaphore}").exists()
+        if dead_before_stop:  # it dies while starting: noted by the wait for it, not at its stop
+            with pytest.raises(TimeoutError):
+                wait_ready(proc, f"http://127.0.0.1:{free_port()}", timeout_s=1.0)
+            os.killpg(proc.pid, signal.SIGKILL)  # the group: the resource tracker too
+            proc.proc.wait(timeout=30)
+            assert (SHM / segment).exists() and (SHM / f"sem.{semaphore}").exists()
     finally:
         proc.stop()
     try:
         assert not (SHM / segment).exists() and not (SHM / f"sem.{semaphore}").exists()
         assert not Path(tmp).exists()
-        assert (SHM / held.name).exists()
+        assert (SHM / held.name).exists() and (SHM / held_semaphore).exists() and (SHM / foreign).exists()
     finally:
         held.close()
         held.unlink()
+        (SHM / foreign).unlink()
 
 
 # a leader that records a SIGTERM and a child in its group that outlives it unless killed

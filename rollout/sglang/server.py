@@ -88,21 +88,30 @@ SHM = Path("/dev/shm")
 SHM_PREFIXES = ("sglang_", "sem.mp-")
 
 
-def shm_in_use(pids: Iterable[int] | None = None) -> set[str]:
-    """Names under /dev/shm that processes ``pids`` (default: every process on this machine) map
-    or hold open (Linux /proc)."""
-    used = set()
+def shm_files_in_use(pids: Iterable[int] | None = None) -> set[int]:
+    """Inodes of the files under /dev/shm that processes ``pids`` (default: every process on
+    this machine) map or hold open (Linux /proc), under whatever name they were opened by: a
+    named semaphore's creator maps it under glibc's temporary name, unlinked once the file is
+    linked to its own (``/dev/shm/sem.XXXXXX (deleted)`` in its maps), so a name is not enough."""
+    inodes = set()
     for entry in map(str, pids) if pids is not None else filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/maps") as maps:
-                used.update(line.rsplit("/dev/shm/", 1)[1].split()[0] for line in maps if "/dev/shm/" in line)
-            for fd in os.listdir(f"/proc/{entry}/fd"):
-                target = os.readlink(f"/proc/{entry}/fd/{fd}")
-                if target.startswith("/dev/shm/"):
-                    used.add(target[len("/dev/shm/"):].split()[0])
+                for line in maps:  # address perms offset device inode path
+                    fields = line.split(maxsplit=5)
+                    if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                        inodes.add(int(fields[4]))
+            fds = os.listdir(f"/proc/{entry}/fd")
         except OSError:  # gone meanwhile, or not ours to read
             continue
-    return used
+        for fd in fds:
+            link = f"/proc/{entry}/fd/{fd}"
+            try:
+                if os.readlink(link).startswith("/dev/shm/"):
+                    inodes.add(os.stat(link).st_ino)
+            except OSError:  # closed meanwhile
+                continue
+    return inodes
 
 
 def group_members(pgid: int) -> list[int]:
@@ -120,19 +129,33 @@ def shm_names() -> set[str]:
     return set(os.listdir(SHM)) if SHM.is_dir() else set()
 
 
-def remove_orphaned_shm(names: set[str]) -> list[str]:
-    """Unlink those of ``names`` (under /dev/shm, ``SHM_PREFIXES`` only) that still exist and no
-    process maps or holds open: left by processes that are gone, so nothing can reach them but
-    a new open by name, which only a holder would make. Returns what it removed."""
-    candidates = {n for n in names if n.startswith(SHM_PREFIXES)} & shm_names()
+def shm_inode(name: str) -> int | None:
+    try:
+        return (SHM / name).stat().st_ino
+    except OSError:  # removed meanwhile
+        return None
+
+
+def remove_orphaned_shm(names: set[str], owned: set[int]) -> list[str]:
+    """Unlink those of ``names`` (under /dev/shm, ``SHM_PREFIXES`` only) that a stopped process
+    group left: files it used (inodes ``owned``; any ``sglang_*`` segment too, whose name is
+    SGLang's own) that no process maps or holds open now, so nothing can reach them but an open
+    by name, which only a holder would make. A ``sem.mp-*`` the group is not known to have
+    used stays: another process's semaphore, made for a child that has not opened it yet,
+    looks exactly like an orphan. Returns what it removed."""
+    candidates = {n: shm_inode(n) for n in names & shm_names() if n.startswith(SHM_PREFIXES)}
+    candidates = {n: i for n, i in candidates.items() if i is not None and (i in owned or n.startswith("sglang_"))}
     if not candidates:  # the usual case: no scan of every process
         return []
+    in_use = shm_files_in_use()
     removed = []
-    for name in sorted(candidates - shm_in_use()):
+    for name, inode in sorted(candidates.items()):
+        if inode in in_use or shm_inode(name) != inode:  # in use, or replaced meanwhile
+            continue
         try:
             (SHM / name).unlink()
             removed.append(name)
-        except OSError:  # removed meanwhile
+        except OSError:  # removed meanwhile, or another user's
             pass
     return removed
 
@@ -145,20 +168,22 @@ class ManagedProcess:
     ``tempfile.NamedTemporaryFile(delete=False)`` (five a launch) and never removes them, so
     every start and restart left files in the machine's /tmp. What its processes left in
     /dev/shm (a shared-memory segment and a semaphore a launch) is removed then too
-    (``remove_orphaned_shm``)."""
+    (``remove_orphaned_shm``): what its process group was seen to use while it started
+    (``record_own_shm``, from ``wait_ready``) or when ``stop`` began."""
 
     def __init__(self, cmd: list[str], env: dict[str, str], log_path: str | None, name: str):
         self.cmd, self.env, self.log_path, self.name = cmd, env, log_path, name
         self.proc: subprocess.Popen | None = None
         self.tmp_dir: str | None = None
         self._shm_before: set[str] = set()  # /dev/shm when this launch started
+        self._own_shm: set[int] = set()  # inodes under /dev/shm its process group was seen to use
         self._log_start = 0  # where this launch's output begins in the (appended) log
 
     def start(self) -> None:
         # in the system's temporary folder, not under a run's home: a ZMQ socket path must
         # stay within the OS's ~107 characters
         self.tmp_dir = tempfile.mkdtemp(prefix="rlake-proc-")
-        self._shm_before = shm_names()
+        self._shm_before, self._own_shm = shm_names(), set()
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self._log_start = out.tell() if out is not subprocess.DEVNULL else 0
         try:
@@ -187,6 +212,12 @@ class ManagedProcess:
 
     stop_grace_s = 10.0  # what ``stop`` waits after SIGTERM before SIGKILL
 
+    def record_own_shm(self) -> None:
+        """Note what under /dev/shm this launch's process group uses now, for ``stop`` to
+        remove once they are gone: a server that dies is not there to ask at its stop."""
+        if self.proc is not None:
+            self._own_shm |= shm_files_in_use(group_members(self.proc.pid))
+
     def wait_group_gone(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until no live process of this process's group is left
         (``group_members``); False if one still is."""
@@ -204,6 +235,7 @@ class ManagedProcess:
         if self.proc is None:
             return
         grace_s = self.stop_grace_s if grace_s is None else grace_s
+        self.record_own_shm()
         if grace_s > 0:
             self.signal_group(signal.SIGTERM)
             self.signal_group(signal.SIGCONT)
@@ -222,9 +254,9 @@ class ManagedProcess:
         if self.tmp_dir is not None:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
             self.tmp_dir = None
-        # made since this launch started and used by no process now: what its processes left
+        # made since this launch started, used by its processes and by none now: what they left
         # (another server's, started meanwhile, is in use and stays)
-        remove_orphaned_shm(shm_names() - self._shm_before)
+        remove_orphaned_shm(shm_names() - self._shm_before, self._own_shm)
 
     def log_tail(self, n: int = 30) -> str:
         """The last ``n`` lines this launch wrote (an earlier launch's stay out)."""
@@ -276,10 +308,14 @@ def wait_ready(proc: ManagedProcess, url: str, timeout_s: float, endpoint: str =
     deadline = time.monotonic() + timeout_s
     with httpx.Client() as client:
         while time.monotonic() < deadline:
+            # what its processes made in /dev/shm, noted as it starts: one that dies before it
+            # is ready (its port taken) is not there to ask at its stop
+            proc.record_own_shm()
             if not proc.alive():
                 raise RuntimeError(f"{proc.name} exited during start-up:\n{proc.log_tail()}")
             try:
                 if client.get(f"{url}{endpoint}", timeout=5).status_code == 200:
+                    proc.record_own_shm()
                     return
             except httpx.HTTPError:
                 pass
