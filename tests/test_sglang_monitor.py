@@ -346,6 +346,9 @@ class FakeLaunch:
     def log_tail(self) -> str:
         return ""
 
+    def record_own_shm(self) -> None:  # a thread in this process: nothing of its own in /dev/shm
+        pass
+
     def stop(self) -> None:
         self.up = False
 
