@@ -285,6 +285,32 @@ def test_a_router_that_died_is_started_again_and_the_batch_completes(engine, ckp
     assert all(w.server.alive() for w in engine.workers)  # not ours to stop
 
 
+def test_a_hung_router_is_started_again_and_the_batch_completes(engine, ckpts, tmp_path):
+    """The sglang-router an engine launched stops answering (SIGSTOP to its group) with a
+    batch's requests in flight through it: its monitor finds its ``/health`` unanswered twice,
+    stops it (which fails the requests waiting on it) and starts another in front of the same
+    servers; the requests are re-issued and the batch completes through it, on the right
+    weights. Nothing else would notice: a request waits up to ``request_timeout_s``, an hour."""
+    other = SGLangEngine.from_config(
+        {"urls": engine.urls, "router": True, "health_interval_s": 0.5, "health_timeout_s": 5.0,
+         "health_failures": 2}, ckpts["a"], 4, log_dir=tmp_path / "logs")
+    try:
+        hung = other.router
+        hung.signal_group(signal.SIGSTOP)
+        batch = other.start(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0))
+        done, _ = wait(batch.futures, timeout=HANG_GUARD_S)
+        assert len(done) == len(PROMPTS), "hang guard: the batch never completed"
+        results = batch.results()
+        assert other.stats["router_restarts"] == 1 and other.stats["request_failures"] >= 1
+        assert other.router is not hung and other.router.alive() and not hung.alive()
+        assert {r.meta["server"] for r in results} == {other.router_url}
+        assert all(r.finish_reason in ("stop", "length") for r in results)
+        assert mismatch(ckpts["a"], PROMPTS, results, 1.0) < TOL
+    finally:
+        other.shutdown()
+    assert all(w.server.alive() for w in engine.workers)  # not ours to stop
+
+
 def test_a_router_is_moved_to_a_restarted_servers_new_url(engine, tmp_path):
     """What the monitor does behind a router when a restarted server moved to another port:
     the router (a real sglang-router, in front of the first server) is told the new URL and

@@ -7,10 +7,10 @@ id and its own result: a ``RolloutBatch`` can be aborted (dynamic sampling: stop
 the prompts of a call the server aborted (a weight-update pause) or lost are re-issued.
 Weight sync: ``pause_generation`` -> disk or distributed update on every worker ->
 served ``weight_version`` checked on every worker -> ``continue_generation``.
-Fault tolerance: a monitor thread probes ``/health_generate``; a dead or hung server it launched
-is restarted on the same port from the newest checkpoint (so it comes back at the current weight
-version), and the requests it lost are re-issued, so the batch completes. A router it launched
-that died is started again when a request through it fails.
+Fault tolerance (``supervision``): a monitor thread probes ``/health_generate``; a dead or hung
+server it launched is restarted on the same port from the newest checkpoint (so it comes back at
+the current weight version), and the requests it lost are re-issued, so the batch completes. A
+router it launched that died or hangs is started again.
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ from rollout.sglang.server import (
     ManagedProcess,
     ServerSpec,
     SGLangServer,
-    move_router_worker,
     ready_or_moved,
     router_process,
     wait_ready,
     wait_router_workers,
 )
+from rollout.sglang.supervision import ServerSupervision
 from rollout.sglang.weight_sync import (
     DistributedWeightSender,
     fan_out,
@@ -64,7 +64,7 @@ _MAX_REISSUES = 50  # re-issues after server-side aborts (weight-update pauses),
 _CONNECTION_LOST = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
-class SGLangEngine:
+class SGLangEngine(ServerSupervision):
     """The ``RolloutEngine`` over SGLang servers (see module docstring)."""
 
     name = "sglang"
@@ -100,6 +100,9 @@ class SGLangEngine:
         self._pool = ThreadPoolExecutor(max_workers=self.config.concurrency, thread_name_prefix="sglang-req")
         self._monitors = [threading.Thread(target=self._monitor_loop, args=(w,), daemon=True,
                                            name=f"sglang-health-{i}") for i, w in enumerate(self.workers)]
+        if self.router is not None:
+            self._monitors.append(threading.Thread(target=self._router_monitor_loop, daemon=True,
+                                                   name="sglang-router-health"))
         for t in self._monitors:
             t.start()
 
@@ -401,100 +404,3 @@ class SGLangEngine:
         if self._sender is not None:
             self._sender.close()
             self._sender = None
-
-    # ----------------------------------------------------------------- health
-    def _suspect(self, worker: Worker) -> None:
-        """A request failed on ``worker`` (on any worker, behind a router): check it now, and
-        the router too (``_revive_router``)."""
-        for w in self.workers if self.router_url else [worker]:
-            w.wake.set()
-        if self.router is not None:
-            self._revive_router()
-
-    def _revive_router(self) -> None:
-        """A router this engine launched whose process died is started again in front of the
-        workers, on its port (another if that one was taken meanwhile): the requests sent
-        through it fail until then and are re-issued (``_request``). A hung router is not
-        detected (nothing probes it: the monitors probe the servers)."""
-        with self._router_lock:
-            if self.router is None or self.router.alive() or self._closed:
-                return
-            log.warning("the sglang-router at %s exited (code %s); starting it again",
-                        self.router_url, self.router.proc.returncode)
-            self.router.stop()  # its temporary folder
-            # those up now: one down meanwhile is restarting (the router finds it later)
-            self._start_router(int(self.router_url.rsplit(":", 1)[1]),
-                               healthy_workers=sum(w.up for w in self.workers))
-            with self._cond:
-                self.stats["router_restarts"] += 1
-
-    def _monitor_loop(self, w: Worker) -> None:
-        """One thread per worker: probe every ``health_interval_s`` (or when woken)."""
-        while not self._stop.is_set():
-            w.wake.wait(timeout=self.config.health_interval_s)
-            w.wake.clear()
-            if self._stop.is_set():
-                return
-            try:
-                self._check(w)
-            except Exception:  # noqa: BLE001 - the monitor must survive to try again
-                log.exception("health check / restart of %s failed", w.url)
-
-    def _check(self, w: Worker) -> None:
-        """Dead (launched process gone) -> restart now; ``health_failures`` failed
-        ``/health_generate`` probes in a row (hung) -> restart; healthy -> mark up."""
-        dead = w.server is not None and not w.server.alive()
-        if not dead:
-            if self._syncing.is_set():
-                return  # generation is paused on purpose: a probe would time out
-            ok = healthy(self.http, w.url, self.config.health_timeout_s)
-            if self._syncing.is_set():
-                return
-            w.failures = 0 if ok else w.failures + 1
-            if ok or w.failures < self.config.health_failures:
-                self._set_up(w, (ok or w.up) and not w.stale)
-                return
-        self._set_up(w, False)
-        if w.server is not None:
-            self._restart(w)
-
-    def _restart(self, w: Worker) -> None:
-        """Relaunch ``w`` on its port from the newest checkpoint at the current version; if a
-        sync landed meanwhile, bring it to that version from disk; then put it back in service.
-        A port another process took while the server was down (or loading) is left for a new
-        free one: the worker's URL follows, and a router is told (it knows servers by URL)."""
-        log.warning("restarting SGLang server %s (pid %s)", w.url, w.server.pid)
-        path, version = self._disk
-        w.server.relaunch(path, str(version))
-        w.server, _ = ready_or_moved(
-            w.server, w.server.spec.port, lambda port: SGLangServer(replace(w.server.spec, port=port)),
-            lambda server, _port: wait_ready(server, server.url, self.config.startup_timeout_s))
-        # under the lock: a router revived meanwhile starts with the workers' URLs, so it must
-        # not read them between the move and the new URL (down meanwhile: no request was sent)
-        with self._router_lock:
-            if self.router_url and w.server.url != w.url:
-                move_router_worker(self.router_url, w.url, w.server.url, self.config.startup_timeout_s)
-            w.url = w.server.url
-        with self._sync_lock:
-            path, version = self._disk
-            if served_weight_version(self.http, w.url) != str(version):
-                update_from_disk(self.http, [w.url], path, str(version))
-            served = served_weight_version(self.http, w.url)
-            if served != str(version):
-                raise SGLangError(f"{w.url} restarted at weight version {served}, expected {version}")
-            self._drop_sender()  # the old group lost a rank; the next distributed sync rebuilds it
-            w.failures = 0
-            w.restarts += 1
-            with self._cond:
-                self.stats["restarts"] += 1
-            # weights pushed from tensors with no checkpoint on disk: out of rotation until a sync
-            w.stale = version != self._version
-            if w.stale:
-                log.warning("%s is back at version %s < %s: idle until the next weight sync",
-                            w.url, version, self._version)
-            self._set_up(w, not w.stale)
-
-    def _set_up(self, w: Worker, up: bool) -> None:
-        with self._cond:
-            w.up = up
-            self._cond.notify_all()
