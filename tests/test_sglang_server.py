@@ -264,12 +264,18 @@ def test_router_and_given_urls(engine, ckpts, tmp_path):
     assert all(w.server.alive() for w in engine.workers)  # not ours to stop
 
 
+# the router's monitor probes every half second, two unanswered in a row (5 s each) = hung
+FAST_ROUTER_PROBES = {"health_interval_s": 0.5, "health_timeout_s": 5.0, "health_failures": 2}
+
+
 def test_a_router_that_died_is_started_again_and_the_batch_completes(engine, ckpts, tmp_path):
     """The sglang-router an engine launched is killed (SIGKILL to its group): the next batch's
     requests through it fail, the engine starts the router again in front of the same servers,
-    and the batch completes through it, on the right weights."""
-    other = SGLangEngine.from_config({"urls": engine.urls, "router": True}, ckpts["a"], 4,
-                                     log_dir=tmp_path / "logs")
+    and the batch completes through it, on the right weights, started once: the router's own
+    monitor, probing every half second, never takes the new router, still starting, for a hung
+    one (it did once, in CI, 2026-11-28: two restarts)."""
+    other = SGLangEngine.from_config({"urls": engine.urls, "router": True, **FAST_ROUTER_PROBES},
+                                     ckpts["a"], 4, log_dir=tmp_path / "logs")
     try:
         dead = other.router
         dead.signal_group(signal.SIGKILL)
@@ -291,9 +297,8 @@ def test_a_hung_router_is_started_again_and_the_batch_completes(engine, ckpts, t
     stops it (which fails the requests waiting on it) and starts another in front of the same
     servers; the requests are re-issued and the batch completes through it, on the right
     weights. Nothing else would notice: a request waits up to ``request_timeout_s``, an hour."""
-    other = SGLangEngine.from_config(
-        {"urls": engine.urls, "router": True, "health_interval_s": 0.5, "health_timeout_s": 5.0,
-         "health_failures": 2}, ckpts["a"], 4, log_dir=tmp_path / "logs")
+    other = SGLangEngine.from_config({"urls": engine.urls, "router": True, **FAST_ROUTER_PROBES},
+                                     ckpts["a"], 4, log_dir=tmp_path / "logs")
     try:
         hung = other.router
         hung.signal_group(signal.SIGSTOP)

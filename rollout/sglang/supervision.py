@@ -69,16 +69,22 @@ class ServerSupervision:
         """The launched router's own monitor: probe its ``/health`` every
         ``health_interval_s``; exited, or ``health_failures`` probes in a row unanswered within
         ``health_timeout_s`` (hung: its requests would wait ``request_timeout_s``) -> start it
-        again. The probe is the router's own (it asks no server): a slow server does not fail it."""
-        failures = 0
+        again. The probe is the router's own (it asks no server): a slow server does not fail it.
+        Failures count per router process: a new one starts from none."""
+        failures, probed = 0, None
         while not self._stop.wait(self.config.health_interval_s):
-            router, url = self.router, self.router_url
+            # under the lock: never a router a revival has launched and not yet seen ready (its
+            # probes are refused while it starts: it was taken for a hung one, in CI, 2026-11-28)
+            with self._router_lock:
+                router, url = self.router, self.router_url
+            if router is not probed:
+                failures, probed = 0, router
             try:
                 if not router.alive():
                     self._revive_router()
                     continue
                 ok = healthy(self.http, url, self.config.health_timeout_s, generate=False)
-                failures = 0 if ok or router is not self.router else failures + 1
+                failures = 0 if ok else failures + 1
                 if failures >= self.config.health_failures:
                     failures = 0
                     self._revive_router(hung=router)
