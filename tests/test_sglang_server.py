@@ -264,56 +264,54 @@ def test_router_and_given_urls(engine, ckpts, tmp_path):
     assert all(w.server.alive() for w in engine.workers)  # not ours to stop
 
 
-# the router's monitor probes every half second, two unanswered in a row (5 s each) = hung
-FAST_ROUTER_PROBES = {"health_interval_s": 0.5, "health_timeout_s": 5.0, "health_failures": 2}
+@pytest.fixture
+def routed(engine, ckpts, tmp_path):
+    """A second engine in front of the module's servers, through an sglang-router it launched;
+    the router's monitor probes every half second (two unanswered in a row, 5 s each: hung)."""
+    other = SGLangEngine.from_config(
+        {"urls": engine.urls, "router": True, "health_interval_s": 0.5, "health_timeout_s": 5.0,
+         "health_failures": 2}, ckpts["a"], 4, log_dir=tmp_path / "logs")
+    yield other
+    other.shutdown()
+    assert all(w.server.alive() for w in engine.workers)  # not ours to stop
 
 
-def test_a_router_that_died_is_started_again_and_the_batch_completes(engine, ckpts, tmp_path):
+def assert_completed_through_a_new_router(other: SGLangEngine, old, results: list[GenerationResult],
+                                          model: str) -> None:
+    """The batch's requests failed through router ``old``, which was started again once, and
+    completed through the new one, on the weights of ``model``."""
+    assert other.stats["router_restarts"] == 1 and other.stats["request_failures"] >= 1
+    assert other.router is not old and other.router.alive() and not old.alive()
+    assert {r.meta["server"] for r in results} == {other.router_url}
+    assert all(r.finish_reason in ("stop", "length") for r in results)
+    assert mismatch(model, PROMPTS, results, 1.0) < TOL
+
+
+def test_a_router_that_died_is_started_again_and_the_batch_completes(routed, ckpts):
     """The sglang-router an engine launched is killed (SIGKILL to its group): the next batch's
     requests through it fail, the engine starts the router again in front of the same servers,
     and the batch completes through it, on the right weights, started once: the router's own
     monitor, probing every half second, never takes the new router, still starting, for a hung
     one (it did once, in CI, 2026-11-28: two restarts)."""
-    other = SGLangEngine.from_config({"urls": engine.urls, "router": True, **FAST_ROUTER_PROBES},
-                                     ckpts["a"], 4, log_dir=tmp_path / "logs")
-    try:
-        dead = other.router
-        dead.signal_group(signal.SIGKILL)
-        dead.proc.wait(timeout=60)
-        results = other.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0))
-        assert other.stats["router_restarts"] == 1 and other.stats["request_failures"] >= 1
-        assert other.router is not dead and other.router.alive()
-        assert {r.meta["server"] for r in results} == {other.router_url}
-        assert all(r.finish_reason in ("stop", "length") for r in results)
-        assert mismatch(ckpts["a"], PROMPTS, results, 1.0) < TOL
-    finally:
-        other.shutdown()
-    assert all(w.server.alive() for w in engine.workers)  # not ours to stop
+    dead = routed.router
+    dead.signal_group(signal.SIGKILL)
+    dead.proc.wait(timeout=60)
+    results = routed.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0))
+    assert_completed_through_a_new_router(routed, dead, results, ckpts["a"])
 
 
-def test_a_hung_router_is_started_again_and_the_batch_completes(engine, ckpts, tmp_path):
+def test_a_hung_router_is_started_again_and_the_batch_completes(routed, ckpts):
     """The sglang-router an engine launched stops answering (SIGSTOP to its group) with a
     batch's requests in flight through it: its monitor finds its ``/health`` unanswered twice,
     stops it (which fails the requests waiting on it) and starts another in front of the same
     servers; the requests are re-issued and the batch completes through it, on the right
     weights. Nothing else would notice: a request waits up to ``request_timeout_s``, an hour."""
-    other = SGLangEngine.from_config({"urls": engine.urls, "router": True, **FAST_ROUTER_PROBES},
-                                     ckpts["a"], 4, log_dir=tmp_path / "logs")
-    try:
-        hung = other.router
-        hung.signal_group(signal.SIGSTOP)
-        batch = other.start(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0))
-        done, _ = wait(batch.futures, timeout=HANG_GUARD_S)
-        assert len(done) == len(PROMPTS), "hang guard: the batch never completed"
-        results = batch.results()
-        assert other.stats["router_restarts"] == 1 and other.stats["request_failures"] >= 1
-        assert other.router is not hung and other.router.alive() and not hung.alive()
-        assert {r.meta["server"] for r in results} == {other.router_url}
-        assert all(r.finish_reason in ("stop", "length") for r in results)
-        assert mismatch(ckpts["a"], PROMPTS, results, 1.0) < TOL
-    finally:
-        other.shutdown()
-    assert all(w.server.alive() for w in engine.workers)  # not ours to stop
+    hung = routed.router
+    hung.signal_group(signal.SIGSTOP)
+    batch = routed.start(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0))
+    done, _ = wait(batch.futures, timeout=HANG_GUARD_S)
+    assert len(done) == len(PROMPTS), "hang guard: the batch never completed"
+    assert_completed_through_a_new_router(routed, hung, batch.results(), ckpts["a"])
 
 
 def test_a_router_is_moved_to_a_restarted_servers_new_url(engine, tmp_path):
