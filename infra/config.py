@@ -6,8 +6,9 @@ Names follow slime's flags where one exists (``rollout_batch_size``, ``n_samples
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -354,11 +355,31 @@ class RunConfig(_Section):
         return self.lake_uri or str(Path(self.home) / "lake")
 
 
+def _section_keys(path: tuple[Any, ...]) -> list[str]:
+    """The keys allowed in the section at ``path`` (list indices skipped), [] if none is known."""
+    model: type[BaseModel] = RunConfig
+    for part in path:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return []
+        inner = [t for t in (field.annotation, *get_args(field.annotation))
+                 if isinstance(t, type) and issubclass(t, BaseModel)]
+        if not inner:
+            return []
+        model = inner[0]
+    return list(model.model_fields)
+
+
 def _format_error(err: ValidationError) -> str:
     first = err.errors()[0]
     key = ".".join(str(p) for p in first["loc"]) or "(config)"
     if first["type"] == "extra_forbidden":
-        return f"unknown config key '{key}'"
+        *section, name = first["loc"]
+        close = difflib.get_close_matches(str(name), _section_keys(tuple(section)), n=1)
+        prefix = "".join(f"{p}." for p in section if not isinstance(p, int))
+        return f"unknown config key '{key}'" + (f" (did you mean '{prefix}{close[0]}'?)" if close else "")
     msg = first["msg"].removeprefix("Value error, ")
     got = first.get("input")
     return f"bad config value for '{key}': {msg}" + ("" if isinstance(got, dict) else f" (got {got!r})")

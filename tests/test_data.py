@@ -137,6 +137,15 @@ def test_next_data_position_reads_the_lake(tmp_path):
         next_data_position(lake, "r2")
 
 
+def test_a_misspelt_key_names_the_closest_allowed_one():
+    with pytest.raises(ConfigError, match=r"'rollout.rollout_batch_sise' \(did you mean 'rollout.rollout_batch_size'\?\)"):
+        load_config(None, ["rollout.rollout_batch_sise=3"])
+    with pytest.raises(ConfigError, match=r"did you mean 'eval.datasets.name'"):  # in a list's item
+        load_config(None, ["eval.datasets=[{nmae: x}]"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'zzz'$"):
+        load_config(None, ["zzz=1"])  # nothing close: no suggestion
+
+
 def test_bad_function_paths_fail_at_config_load():
     with pytest.raises(ConfigError, match="rollout.custom_rm_path.*cannot be loaded"):
         load_config(None, ["rollout.custom_rm_path=no_such_module:fn"])
