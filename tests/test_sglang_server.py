@@ -336,19 +336,28 @@ def test_a_router_is_moved_to_a_restarted_servers_new_url(engine, tmp_path):
         router.stop()
 
 
-def started_on_both(engine: SGLangEngine, prompts: list[list[int]], sampling: SamplingParams,
-                    attempts: int = 10):
-    """A batch of ``prompts`` seen in flight on both servers at once. On a loaded machine a
-    batch can finish before the test's thread looks (CI, 2026-11-27: the wait for both then
-    lasted until the hang guard), so a batch that finished unseen is started again (a bound on
-    attempts, not a timing)."""
+def stopped_while_on_both(engine: SGLangEngine, prompts: list[list[int]], sampling: SamplingParams,
+                          attempts: int = 10):
+    """A batch of ``prompts`` whose requests are unanswered on both servers, both servers
+    stopped (SIGSTOP to each group): what the test then does to them cannot come after the
+    batch has ended. A batch seen in flight on both is frozen; once the answers sent before the
+    stop are read (a settle, not a speed check) each server must still owe some. On a loaded
+    machine a batch can finish before the test's thread looks (CI, 2026-11-27), or between that
+    look and a kill, so such a batch is let go and another started (a bound on attempts)."""
     first, second = engine.workers
     for _ in range(attempts):
         batch = engine.start(prompts, sampling)
         guard = time.monotonic() + HANG_GUARD_S
         while not all(f.done() for f in batch.futures):
             if first.inflight > 0 and second.inflight > 0:
-                return batch
+                for w in (first, second):
+                    os.killpg(w.server.pid, signal.SIGSTOP)
+                time.sleep(0.5)
+                if first.inflight > 0 and second.inflight > 0:
+                    return batch
+                for w in (first, second):
+                    os.killpg(w.server.pid, signal.SIGCONT)
+                break
             assert time.monotonic() < guard, "hang guard: the batch neither finished nor ran on both"
             time.sleep(0.01)
         batch.results()
@@ -378,9 +387,8 @@ def test_dead_and_hung_servers_are_restarted_and_batch_completes(engine, ckpts):
     old_segments = shm_of_group(dead.server.pid) | shm_of_group(hung.server.pid)
     assert old_segments  # each scheduler maps its load segment
     prompts = PROMPTS * 8
-    batch = started_on_both(engine, prompts, SamplingParams(max_new_tokens=32, temperature=1.0))
-    os.killpg(dead.server.pid, signal.SIGKILL)
-    os.killpg(hung.server.pid, signal.SIGSTOP)
+    batch = stopped_while_on_both(engine, prompts, SamplingParams(max_new_tokens=32, temperature=1.0))
+    os.killpg(dead.server.pid, signal.SIGKILL)  # the other stays stopped: hung
     holder = hold_port(dead.server.spec.port)
     results = batch.results()
     assert len(results) == len(prompts)
