@@ -78,9 +78,15 @@ def with_lake_version(table: pa.Table, version: int) -> pa.Table:
                                           LAKE_VERSION_KEY: str(version).encode()})
 
 
-def trajectory_guard(run_id: str, iteration: int) -> str:
-    """The app-transaction id of ``(run_id, iteration)``'s trajectory appends."""
-    return f"rlake/trajectories/{run_id}/{iteration}"
+def trajectory_guard(run_id: str, iteration: int, kind: str = "train") -> str:
+    """The app-transaction id of ``(run_id, iteration)``'s trajectory appends of ``kind``.
+
+    Rows of another kind (an evaluation of weight version ``iteration``) get their own, as their
+    ``sample_uid`` does: sharing the rollout batch's, the newest commit naming it could be the
+    evaluation's, without the batch's ``commit_info`` (async mode evaluates version b after
+    batch b is in the lake)."""
+    step = str(iteration) if kind == "train" else f"{kind}-{iteration}"
+    return f"rlake/trajectories/{run_id}/{step}"
 
 
 def scope_pairs(data: pa.Table, part: str, num: str) -> list[tuple[str, int]]:
@@ -216,7 +222,9 @@ class Lake:
         if data.num_rows == 0:
             return None
         scopes = scope_pairs(data, "run_id", "iteration")
-        return self._append("trajectories", data, [trajectory_guard(r, i) for r, i in scopes],
+        kinds = sorted(set(zip(*(data.column(c).to_pylist() for c in ("run_id", "iteration", "kind")),
+                               strict=True)))
+        return self._append("trajectories", data, [trajectory_guard(r, i, k) for r, i, k in kinds],
                             *scope_filter(scopes, "run_id", "iteration"), commit_info=commit_info)
 
     def trajectory_commit_info(self, run_id: str, iteration: int) -> dict[str, Any] | None:

@@ -186,6 +186,10 @@ def rows_to_table(table: str, rows: list[dict[str, Any]] | pa.Table, now: dateti
             col = pc.fill_null(col, pa.scalar(now, TS))
         if not field.nullable and col.null_count:
             raise ValueError(f"{table}: column {field.name!r} must not be null")
+        if field.name in PARTITIONS.get(table, ()) and n and _has_empty_string(col):
+            # Delta writes an empty partition value as null: the commit would land and every
+            # later read of the table fail on its non-nullable column
+            raise ValueError(f"{table}: column {field.name!r} must not be an empty string")
         out_fields.append(field)
         out_cols.append(col)
     for name in data.column_names:
@@ -193,6 +197,12 @@ def rows_to_table(table: str, rows: list[dict[str, Any]] | pa.Table, now: dateti
             out_fields.append(pa.field(name, data.column(name).type))
             out_cols.append(data.column(name))
     return pa.Table.from_arrays(out_cols, schema=pa.schema(out_fields))
+
+
+def _has_empty_string(col: pa.ChunkedArray) -> bool:
+    import pyarrow.compute as pc
+
+    return bool(pc.any(pc.equal(pc.utf8_length(col), 0)).as_py())
 
 
 def conform(table: pa.Table, name: str, columns_: list[str] | None = None) -> pa.Table:

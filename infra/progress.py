@@ -55,7 +55,9 @@ class RichReporter:
             acc = "" if self.last_acc is None else f" | acc {self.last_acc:.3f}"
             # a replay generates nothing: no tokens/s
             speed = f" | {p['rollout/tokens_per_s']:.0f} tok/s" if p.get("rollout/tokens_per_s") else ""
-            info = (f"reward {p['rollout/reward_mean']:.3f}{acc} | kl {p.get('train/ppo_kl', 0):.4f}"
+            # a batch reused from the lake whose commit holds no rollout stats has no reward
+            reward = f"{p['rollout/reward_mean']:.3f}" if "rollout/reward_mean" in p else "-"
+            info = (f"reward {reward}{acc} | kl {p.get('train/ppo_kl', 0):.4f}"
                     f"{speed} | {p['time/total']:.2f} s/it")
             self.progress.update(self.rl_task, completed=p["iteration"] + 1, info=info)
 

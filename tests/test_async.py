@@ -124,10 +124,11 @@ def server(tmp_path_factory):
     yield from shared_prefect_server(tmp_path_factory, "async-home")
 
 
-def _args(home, run_id, n_iter=N_ITER):
+def _args(home, run_id, n_iter=N_ITER, eval_interval=None):
     return ["run", "--set", f"home={home}", "--set", f"run_id={run_id}", "--set", "mode=async",
             "--set", f"trainer.max_staleness={K}", "--set", f"num_rollout={n_iter}",
-            "--set", f"eval.eval_interval={n_iter}", "--set", f"rollout.custom_rm_path={LENGTH_REWARD}",
+            "--set", f"eval.eval_interval={eval_interval or n_iter}",
+            "--set", f"rollout.custom_rm_path={LENGTH_REWARD}",
             *TINY]
 
 
@@ -253,8 +254,10 @@ def test_kill9_then_resume_trains_what_the_lake_holds(server):
     home, url = server
     mark = uuid.uuid4().hex
     log = home / "crash.log"
-    proc = rlake(_args(home, "crash"), cli_env(url, RLAKE_FAULT="during_train:3", RLAKE_TEST_MARK=mark),
-                 log)
+    # version 3 is evaluated after batch 3 is in the lake (the rollout side runs ahead): its
+    # rows must not hide the batch's rollout stats from the resume (data positions, below)
+    proc = rlake(_args(home, "crash", eval_interval=3),
+                 cli_env(url, RLAKE_FAULT="during_train:3", RLAKE_TEST_MARK=mark), log)
     assert proc.returncode == -signal.SIGKILL, tail(log)
     end = time.monotonic() + 30  # PR_SET_PDEATHSIG: the rollout process dies with the run
     while pids_with_env("RLAKE_TEST_MARK", mark) and time.monotonic() < end:

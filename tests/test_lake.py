@@ -82,6 +82,26 @@ def test_commit_info_is_stored_with_the_rows_and_found_again(lake):
     assert lake.trajectory_commit_info("r", 0)["rlake.rollout_stats"] == '{"a": 1}'
 
 
+def test_an_evaluation_after_its_batch_does_not_hide_the_batchs_commit_info(lake):
+    """Async mode evaluates weight version b after rollout batch b is in the lake: the
+    evaluation's rows (iteration b) commit under their own guard, so the batch's rollout stats
+    are still found (with one guard, resume lost the data position, review of 2026-11-29)."""
+    lake.append_trajectories(synthetic_rows("r", 3, 8), commit_info={"rlake.rollout_stats": '{"p": 24}'})
+    lake.append_trajectories(synthetic_rows("r", 3, 4, kind="eval"))
+    assert lake.trajectory_commit_info("r", 3)["rlake.rollout_stats"] == '{"p": 24}'
+    assert lake.read("trajectories", run_id="r").num_rows == 12
+
+
+def test_an_empty_run_id_is_refused_before_anything_is_written(lake):
+    """Delta writes an empty partition value as null: once committed, every read of the table
+    failed on its non-nullable ``run_id``."""
+    lake.append_trajectories(synthetic_rows("r", 0, 2))
+    with pytest.raises(ValueError, match="'run_id' must not be an empty string"):
+        lake.append_trajectories(synthetic_rows("", 0, 2))
+    lake.append_trajectories(synthetic_rows("r", 1, 2))
+    assert lake.read("trajectories").num_rows == 4
+
+
 def test_arrow_input_and_created_at_kept(lake):
     stamp = datetime(2024, 1, 2, 3, 4, 5, tzinfo=UTC)
     rows = [dict(r, created_at=stamp) for r in synthetic_rows("r", 0, 4)]
