@@ -41,7 +41,9 @@ def default_rollout(ctx: RolloutContext, iteration: int,
     start_position = ctx.data_position
     pending: list[list[Sample]] = []
     if r.partial_rollout:
-        pending = [[reopen(s, ctx.engine.weight_version, r.mask_offpolicy_in_partial_rollout)
+        # iteration i trains on version i, on samples at most max_staleness versions older
+        oldest = iteration - ctx.cfg.trainer.max_staleness
+        pending = [[reopen(s, ctx.engine.weight_version, r.mask_offpolicy_in_partial_rollout, oldest)
                     for s in g] for g in load_partial_groups(ctx.lake, ctx.run_id, iteration)]
     resumed = len(pending)
     kept: list[list[Sample]] = []
