@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -225,6 +226,25 @@ def test_compact_keeps_rows_and_slices_vacuum_and_history(lake):
         compact(lake, "evals")
 
 
+def test_vacuum_leaves_a_live_writers_file_until_it_is_an_hour_old(lake):
+    """A file no commit names yet may be a writer's whose commit has not landed: a vacuum with
+    retention 0 beside a running append deleted it, and the commit then named a missing file."""
+    import os
+    import shutil
+
+    lake.append_trajectories(synthetic_rows("r", 0, 4))
+    folder = Path(lake.table_uri("trajectories")) / "run_id=r"
+    written = next(folder.glob("*.parquet"))
+    fresh, old = folder / "part-in-flight.parquet", folder / "part-left-by-a-crash.parquet"
+    for copy in (fresh, old):
+        shutil.copy(written, copy)
+    two_hours_ago = time.time() - 2 * 3600
+    os.utime(old, (two_hours_ago, two_hours_ago))
+    assert vacuum(lake, retention_hours=0) == ["run_id=r/part-left-by-a-crash.parquet"]
+    assert fresh.exists() and not old.exists()
+    assert lake.read("trajectories").num_rows == 4
+
+
 def test_run_ids_with_special_characters(lake):
     rid = "a b/c:d%e=f'g"
     assert lake.append_trajectories(synthetic_rows(rid, 0, 3)) is not None
@@ -261,8 +281,6 @@ def test_object_store_code_path(tmp_path, monkeypatch):
 
 
 def test_readme_documents_the_current_schema():
-    from pathlib import Path
-
     from buffer.schema import schema_markdown
 
     readme = Path(__file__).resolve().parents[1] / "buffer" / "README.md"
