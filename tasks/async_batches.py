@@ -57,8 +57,8 @@ def rollout_batch(side: RolloutSide, batch: int,
 def read_rollout_batch(rt: Runtime, weight_version: int, batch: int) -> tuple[pa.Table, int]:
     """The unconsumed samples of rollout batch ``batch`` (the oldest: iteration ``batch`` trains
     on it) with version in [v - max_staleness, ...], and the lake version read. Refuses when
-    they are not the oldest unconsumed ones, or when none is within the bound (never silently
-    skips data)."""
+    they are not the oldest unconsumed ones, when none is within the bound, or when some of the
+    batch's are outside it (never silently skips data)."""
     k = rt.cfg.trainer.max_staleness
     table = rt.lake.training_slice(rt.run_id, weight_version - k)
     iterations = table.column("iteration")
@@ -68,6 +68,13 @@ def read_rollout_batch(rt: Runtime, weight_version: int, batch: int) -> tuple[pa
         raise RuntimeError(f"run {rt.run_id}: iteration {batch} at weight version {weight_version} "
                            f"expects rollout batch {batch} unconsumed within trainer.max_staleness="
                            f"{k}; unconsumed batches found: {found[:10]}")
+    if weight_version - k > 0:  # the batch's rows outside the bound: refused, as batch_slice does
+        older = rt.lake.training_slice(rt.run_id, 0, max_version=weight_version - k - 1)
+        stale = pc.sum(pc.equal(older.column("iteration"), batch)).as_py() or 0
+        if stale:
+            raise RuntimeError(f"run {rt.run_id}: iteration {batch} at weight version "
+                               f"{weight_version} expects rollout batch {batch}'s train rows within "
+                               f"trainer.max_staleness={k}; {stale} of them are older")
     return chosen, slice_lake_version(table)
 
 

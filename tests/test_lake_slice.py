@@ -187,3 +187,6 @@ def test_an_async_batch_slice_from_the_rows_sent_is_the_lake_read(parts, k, ahea
         stale = rows_to_table("trajectories", [{**rows[0], "kind": "train", "weight_version": v - k - 1}])
         with pytest.raises(RuntimeError, match="max_staleness"):
             batch_slice(pa.concat_tables([sent, stale]), v, k, 1, "r")
+        lake.append_trajectories([{**stale.to_pylist()[0], "sample_uid": f"r/1/{index}", "sample_index": index}])
+        with pytest.raises(RuntimeError, match="1 of them are older"):  # the lake read too
+            read_rollout_batch.fn(rt, v, 1)
