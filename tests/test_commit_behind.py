@@ -80,12 +80,14 @@ print(json.dumps([{{k: p.get(k) for k in ("iteration", "time/record", "time/comm
 
 def _commit_times(lake: Lake, table: str, prefix: str) -> dict[int, datetime]:
     """{iteration or step: its newest commit's time} among the table's appends below ``N_ITER``,
-    from the Delta log (an evaluation's rows share the guard of the iteration whose number is
-    its weight version, and come before that iteration's rollout)."""
+    from the Delta log (train rows' guards: an evaluation's rows have their own, ``eval-{v}``)."""
     out: dict[int, datetime] = {}
     for entry in history(lake, table):
         for guard in json.loads(entry.get(GUARDS_KEY) or "[]"):
-            number = int(guard.rsplit("/", 1)[1])
+            last = guard.rsplit("/", 1)[1]
+            if not last.isdigit():
+                continue
+            number = int(last)
             if guard.startswith(prefix) and number < N_ITER:
                 when = datetime.fromisoformat(entry["timestamp"])
                 out[number] = max(out.get(number, when), when)
