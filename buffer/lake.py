@@ -26,7 +26,16 @@ import pyarrow.dataset  # noqa: F401  (pa.dataset)
 from deltalake import DeltaTable
 
 from buffer import delta
-from buffer.schema import KEYS, SCHEMA_VERSION_KEY, TABLES, arrow_schema, columns, conform, rows_to_table
+from buffer.schema import (
+    KEYS,
+    SCHEMA_VERSION_KEY,
+    TABLES,
+    arrow_schema,
+    columns,
+    conform,
+    rows_to_table,
+    uid_step,
+)
 
 LAKE_VERSION_KEY = b"rlake.lake_version"
 SLICE_ORDER = [("weight_version", "ascending"), ("iteration", "ascending"), ("sample_index", "ascending")]
@@ -85,8 +94,7 @@ def trajectory_guard(run_id: str, iteration: int, kind: str = "train") -> str:
     ``sample_uid`` does: sharing the rollout batch's, the newest commit naming it could be the
     evaluation's, without the batch's ``commit_info`` (async mode evaluates version b after
     batch b is in the lake)."""
-    step = str(iteration) if kind == "train" else f"{kind}-{iteration}"
-    return f"rlake/trajectories/{run_id}/{step}"
+    return f"rlake/trajectories/{run_id}/{uid_step(iteration, kind)}"
 
 
 def scope_pairs(data: pa.Table, part: str, num: str) -> list[tuple[str, int]]:

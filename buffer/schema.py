@@ -199,6 +199,12 @@ def rows_to_table(table: str, rows: list[dict[str, Any]] | pa.Table, now: dateti
     return pa.Table.from_arrays(out_cols, schema=pa.schema(out_fields))
 
 
+def uid_step(iteration: int, kind: str = "train") -> str:
+    """The iteration part of a trajectory's ``sample_uid`` and guard: ``{iteration}`` for train
+    rows, ``{kind}-{iteration}`` for the others (rollout.sample.sample_uid writes the same)."""
+    return str(iteration) if kind == "train" else f"{kind}-{iteration}"
+
+
 def _has_empty_string(col: pa.ChunkedArray) -> bool:
     import pyarrow.compute as pc
 

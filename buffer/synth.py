@@ -8,6 +8,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from buffer.schema import uid_step
+
 
 def synthetic_rows(
     run_id: str,
@@ -22,7 +24,7 @@ def synthetic_rows(
     """``n`` trajectory rows of one iteration (uids ``{run_id}/{iteration}/{i}``), deterministic per seed."""
     rng = random.Random(seed if seed is not None else hash((run_id, iteration)) & 0xFFFF)
     version = iteration if weight_version is None else weight_version
-    step = str(iteration) if kind == "train" else f"{kind}-{iteration}"
+    step = uid_step(iteration, kind)
     rows = []
     for i in range(n):
         p = [rng.randrange(100) for _ in range(prompt_len)]

@@ -68,13 +68,14 @@ def read_rollout_batch(rt: Runtime, weight_version: int, batch: int) -> tuple[pa
         raise RuntimeError(f"run {rt.run_id}: iteration {batch} at weight version {weight_version} "
                            f"expects rollout batch {batch} unconsumed within trainer.max_staleness="
                            f"{k}; unconsumed batches found: {found[:10]}")
-    if weight_version - k > 0:  # the batch's rows outside the bound: refused, as batch_slice does
-        older = rt.lake.training_slice(rt.run_id, 0, max_version=weight_version - k - 1)
-        stale = pc.sum(pc.equal(older.column("iteration"), batch)).as_py() or 0
-        if stale:
-            raise RuntimeError(f"run {rt.run_id}: iteration {batch} at weight version "
-                               f"{weight_version} expects rollout batch {batch}'s train rows within "
-                               f"trainer.max_staleness={k}; {stale} of them are older")
+    # the batch's rows outside the bound (none is consumed: only iteration ``batch`` trains on
+    # them): refused, as batch_slice does; read by the batch's own files, not every older one
+    versions = rt.lake.iteration_rows(rt.run_id, batch, "train").column("weight_version")
+    stale = pc.sum(pc.less(versions, weight_version - k)).as_py() or 0
+    if stale:
+        raise RuntimeError(f"run {rt.run_id}: iteration {batch} at weight version "
+                           f"{weight_version} expects rollout batch {batch}'s train rows within "
+                           f"trainer.max_staleness={k}; {stale} of them are older")
     return chosen, slice_lake_version(table)
 
 
