@@ -41,6 +41,7 @@ from infra.runtime import RUNTIMES, Runtime
 from rollout.context import rollout_stats_from_commit
 from rollout.data import POSITION_METRIC
 from rollout.sample import Sample
+from tasks.eval import mlflow_key
 from tasks.rebuild import retrain_step
 from tasks.train import publish_weights, save_checkpoint, wait_for_checkpoints
 
@@ -105,9 +106,31 @@ def relog_missing_metrics(rt: Runtime, steps: list[dict]) -> list[int]:
     return sorted(s["iteration"] for s in missing)
 
 
+def relog_missing_evals(rt: Runtime) -> list[int]:
+    """Re-log to MLflow the evaluations the lake holds (``evals`` rows) that a crash kept from
+    being logged (an evaluation's metrics wait in the tracker until a flush; a resume does not
+    evaluate a version again once its rows are in). Returns the steps re-logged."""
+    rows = rt.lake.read("evals", run_id=rt.run_id,
+                        columns=["iteration", "dataset", "metric", "value"]).to_pylist()
+    by_step: dict[int, dict[str, float]] = {}
+    for r in rows:
+        by_step.setdefault(r["iteration"], {})[mlflow_key(r["dataset"], r["metric"])] = r["value"]
+    logged: dict[str, set[int]] = {}  # each key's logged steps, read once
+    missing = []
+    for step, metrics in sorted(by_step.items()):
+        for key in metrics.keys() - logged.keys():
+            logged[key] = rt.tracker.logged_steps(key)
+        lost = {k: v for k, v in metrics.items() if step not in logged[k]}
+        if lost:
+            rt.tracker.log_metrics(lost, step)
+            missing.append(step)
+    return missing
+
+
 def register_missing_versions(rt: Runtime, steps: list[dict]) -> list[int]:
     """Register committed weight versions (``steps``: ``committed_steps``) missing from the
-    MLflow registry."""
+    MLflow registry. A version whose checkpoint was due has it, as in a run never interrupted:
+    on disk, or written again by ``rebuild_committed`` after this (a crash lost the write)."""
     done = rt.tracker.registered_weight_versions(rt.run_id)
     added = []
     if 0 not in done and rt.checkpoint_dir(0).exists():
@@ -115,8 +138,9 @@ def register_missing_versions(rt: Runtime, steps: list[dict]) -> list[int]:
         added.append(0)
     for s in steps:
         if s["weight_version"] not in done:
+            due = checkpoint_due(s["iteration"], rt.cfg.num_rollout, rt.cfg.save_interval)
             register_version(rt, s["weight_version"], s["iteration"], s["lake_version"],
-                             s["n_samples"] or 0)
+                             s["n_samples"] or 0, saved=True if due else None)
             added.append(s["weight_version"])
     return added
 
@@ -124,7 +148,8 @@ def register_missing_versions(rt: Runtime, steps: list[dict]) -> list[int]:
 def recover(rt: Runtime, own_flow_run: str | None) -> dict:
     """After a crash: stop the dead process's Prefect server, delete the flow runs it created
     ahead for its next iterations (never started), mark its other flow runs Crashed, and
-    re-do the post-commit work it lost (MLflow metrics, model versions). Returns what it did."""
+    re-do the post-commit work it lost (MLflow metrics, evaluations' metrics, model versions).
+    Returns what it did."""
     done = {"stopped_servers": [], "deleted_prefetched_runs": [], "crashed_flow_runs": [],
             "relogged": [], "registered": []}
     home = os.environ.get("PREFECT_HOME")
@@ -135,6 +160,7 @@ def recover(rt: Runtime, own_flow_run: str | None) -> dict:
     done["deleted_prefetched_runs"] = delete_prefetched(rt.run_id, {s["iteration"] for s in steps})
     done["crashed_flow_runs"] = mark_crashed(rt.run_id, exclude={own_flow_run} if own_flow_run else None)
     done["relogged"] = relog_missing_metrics(rt, steps)
+    done["relogged_evals"] = relog_missing_evals(rt)
     done["registered"] = register_missing_versions(rt, steps)
     done["removed_stale_checkpoints"] = remove_stale_checkpoints(rt)
     done["rebuilt"] = rebuild_committed(rt)

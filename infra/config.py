@@ -7,6 +7,7 @@ Names follow slime's flags where one exists (``rollout_batch_size``, ``n_samples
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -19,7 +20,27 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and nan are refused in every float (``trainer.lr: .inf`` trained to NaN weights and
+    # reported success)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_run_id(run_id: str) -> str:
+    """A run id names a folder under ``home/runs`` and the MLflow model ``rlake-{id}``: letters,
+    digits, '.', '_' and '-', starting with a letter or digit, at most 128 characters (an id
+    such as ``../x`` wrote outside the home). Returns it; a ValueError names what is allowed."""
+    if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id):
+        raise ValueError(f"run id {run_id!r} is not allowed: use letters, digits, '.', '_' and '-', "
+                         "starting with a letter or digit, at most 128 characters")
+    return run_id
+
+
+# the advantage estimators whose baseline is the mean of each prompt's samples: with one sample
+# per prompt every advantage is 0 and nothing trains
+GROUP_BASELINE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
 
 
 class TinyModelConfig(_Section):
@@ -326,6 +347,22 @@ class RunConfig(_Section):
     sft: SFTConfig = SFTConfig()
     eval: EvalConfig = EvalConfig()
     cluster: ClusterConfig = ClusterConfig()
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, value: str | None) -> str | None:
+        return None if value is None else check_run_id(value)
+
+    @model_validator(mode="after")
+    def _group_baseline_needs_a_group(self) -> RunConfig:
+        estimator = self.trainer.advantage_estimator
+        if (estimator in GROUP_BASELINE_ESTIMATORS and self.trainer.loss_type == "policy_loss"
+                and self.rollout.n_samples_per_prompt < 2):
+            raise ValueError(f"trainer.advantage_estimator '{estimator}' needs "
+                             "rollout.n_samples_per_prompt >= 2: its baseline is the mean of each "
+                             "prompt's samples, so with one every advantage is 0 and nothing trains "
+                             "(one sample per prompt: 'reinforce_plus_plus' or 'ppo')")
+        return self
 
     @model_validator(mode="after")
     def _engines_need_ray(self) -> RunConfig:

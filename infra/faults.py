@@ -43,6 +43,8 @@ POINTS: dict[str, str] = {
                                "put the weights, not the optimizer state, in the checkpoint's "
                                "temporary folder",
     "during_mlflow_log": "the train_steps row is committed, the MLflow metrics are not logged",
+    "during_evaluation": "the evaluation after the iteration committed its samples and evals rows "
+                         "to the lake, its MLflow metrics are not logged",
 }
 # Points whose state includes the iteration's trajectories committed: training overlaps their
 # append (flows.steps), so with one of these armed the append is waited for before training

@@ -69,10 +69,11 @@ def register(app: typer.Typer, debug: Callable[[], bool] = lambda: False) -> Non
         data = apply_overrides({**data, "home": home, "run_id": None}, set_ or [])
         cfg = config_from_dict(data)
         from infra.progress import replay_with_progress
-        from infra.startup import check_replay, new_run_id
+        from infra.startup import check_new_run_id, check_replay, new_run_id
 
         check_replay(lake, cfg, source_run, iterations, rescore)
         run_id = run_id or new_run_id()
+        check_new_run_id(run_id)
         console.print(f"[dim]replaying {source_run} (iterations {iterations or 'all'}) as run {run_id}[/]")
         summary = replay_with_progress(cfg, source_run, run_id, iterations, rescore, resume=False,
                                        console=console, debug=debug())

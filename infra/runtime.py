@@ -132,12 +132,27 @@ class Runtime:
         """Seed every RNG an iteration uses from (seed, iteration) alone, so an iteration draws the
         same numbers whether the run was interrupted or not:  s = (seed * 1_000_003 + iteration)
         mod 2**63.  Returns s."""
-        s = iteration_seed(self.cfg.seed, iteration)
+        return self._seed_all(iteration_seed(self.cfg.seed, iteration))
+
+    def seed_evaluation(self, weight_version: int) -> int:
+        """Seed every RNG an evaluation uses from (seed, weight_version) alone, so a sampled
+        evaluation (``eval.greedy: false``) of a version draws the same samples whether the run
+        was interrupted or not (a resume evaluates again what a crash cut short, and the
+        iteration's own draws before it differ after a rebuild):
+        s = (iteration_seed(seed, weight_version) + EVAL_SEED_OFFSET) mod 2**63. Returns s.
+        The next iteration seeds itself again, so training draws are unchanged."""
+        return self._seed_all((iteration_seed(self.cfg.seed, weight_version) + EVAL_SEED_OFFSET) % 2**63)
+
+    def _seed_all(self, s: int) -> int:
         seed_everything(s)
         generator = getattr(self.engine, "generator", None)
-        if generator is not None:
+        if generator is not None:  # the torch engine samples from its own generator
             generator.manual_seed(s)
         return s
+
+
+# keeps an evaluation's draws apart from the same-numbered iteration's
+EVAL_SEED_OFFSET = 0x5EED_0E7A1
 
 
 def iteration_seed(seed: int, iteration: int) -> int:

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
-from infra.config import RunConfig, config_from_dict
+from infra.config import RunConfig, check_run_id, config_from_dict
 from infra.faults import fault_point
 from infra.quick_exit import release_named_semaphores
 
@@ -211,6 +211,15 @@ def mark_failed(lake, run_id: str) -> None:
         pass
 
 
+def check_new_run_id(run_id: str) -> None:
+    """``--run-id`` as ``config.check_run_id`` allows it (a StartupError: one line, nothing
+    written yet)."""
+    try:
+        check_run_id(run_id)
+    except ValueError as e:
+        raise StartupError(f"--run-id: {e}") from None
+
+
 def new_run_id() -> str:
     return datetime.now(UTC).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
@@ -231,6 +240,7 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool) -> Iterator[s
         check_data(config_from_dict(json.loads(row["config"])))
     else:
         run_id = run_id or cfg.run_id or new_run_id()
+        check_new_run_id(run_id)
         refuse_existing(lake, cfg, run_id)
     run_dir = home / "runs" / run_id
     claim_run(run_dir)  # a live owner from the start: `rlake status` does not call it interrupted

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from infra.faults import fault_point
 from infra.runtime import HELD_OUT, Runtime
 from rollout.evaluation import run_eval_set
 from tasks.rollout import rollout_context
@@ -35,6 +36,7 @@ def evaluate(rt: Runtime, iteration: int) -> dict[str, float]:
     """Evaluate the engine's current weights on every eval set; returns ``accuracy`` (held-out
     pass@1, or the first set's when there is no held-out set) and ``{dataset}/{metric}``."""
     version = rt.engine.weight_version
+    rt.seed_evaluation(version)
     ctx = rollout_context(rt)
     ctx.generate_fn = rt.rollout.generate_fn
     rows, evals, logged = [], [], {}
@@ -55,6 +57,7 @@ def evaluate(rt: Runtime, iteration: int) -> dict[str, float]:
             logged[mlflow_key(eval_set.name, name)] = value
     rt.lake.append_trajectories(rows)
     rt.lake.append_evals(evals)
+    fault_point("during_evaluation")
     rt.tracker.log_metrics(logged, step=iteration)
     first = rt.eval_sets[0].name
     accuracy = logged.get("eval/accuracy", logged.get(mlflow_key(first, "pass@1")))

@@ -158,3 +158,22 @@ def test_bad_function_paths_fail_at_config_load():
     cfg = load_config(None, ["rollout.custom_generate_function_path=examples.calculator_tool.generate:generate",
                              "rollout.dynamic_sampling_filter_path=default"])
     assert cfg.rollout.dynamic_sampling_filter_path == "default"
+
+
+def test_non_finite_numbers_run_ids_and_a_one_sample_group_baseline_are_refused():
+    # trainer.lr: .inf trained to NaN weights and reported success (review, 2026-11-29)
+    with pytest.raises(ConfigError, match=r"'trainer.lr': Input should be a finite number"):
+        load_config(None, ["trainer.lr=.inf"])
+    with pytest.raises(ConfigError, match=r"'rollout.rollout_temperature': Input should be a finite"):
+        load_config(None, ["rollout.rollout_temperature=.nan"])
+    # a run id names a folder under home/runs: '../x' wrote outside the home
+    for bad in ("../escape", "a/b", "x'y", ".hidden", "", "a" * 129):
+        with pytest.raises(ConfigError, match="'run_id'.*letters, digits"):
+            load_config(None, [f"run_id={bad!r}"] if bad else ["run_id=''"])
+    assert load_config(None, ["run_id=exp-1.2_b"]).run_id == "exp-1.2_b"
+    # GRPO's baseline is its group's mean: one sample per prompt trains nothing
+    with pytest.raises(ConfigError, match="'grpo' needs rollout.n_samples_per_prompt >= 2"):
+        load_config(None, ["rollout.n_samples_per_prompt=1"])
+    one = load_config(None, ["rollout.n_samples_per_prompt=1",
+                             "trainer.advantage_estimator=reinforce_plus_plus"])
+    assert one.rollout.n_samples_per_prompt == 1

@@ -295,3 +295,18 @@ def test_seeding_on_cpu_draws_as_torch_manual_seed_and_captures_no_stack(monkeyp
     captures.clear()
     seed_everything(123)
     assert torch.equal(torch.rand(8), expected) and captures == []
+
+
+def test_a_non_finite_gradient_is_refused_before_the_weights_change(model_dir):
+    from trainers.torch_trainer import NonFiniteGradient
+
+    tr = trainer(model_dir, 4)
+    batch = make_batch(REWARDS, seed=1)
+    with torch.no_grad():  # one weight turned to inf: every gradient through it is inf or nan
+        next(tr.model.parameters()).view(-1)[0] = math.inf
+    before = params(tr.model)
+    with pytest.raises(NonFiniteGradient, match="weight version 0 is not finite"):
+        tr.train(batch)
+    assert tr.weight_version == 0
+    after = params(tr.model)
+    assert all(torch.equal(before[k], v) for k, v in after.items() if torch.isfinite(v).all())

@@ -12,6 +12,7 @@ reference in ``trainers.reference``; formulas and choices: docs/algorithms.md. O
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,22 @@ def seed_everything(seed: int) -> None:
         torch.manual_seed(seed)
     else:
         torch.default_generator.manual_seed(seed)
+
+
+class NonFiniteGradient(RuntimeError):
+    """A gradient with inf or NaN: the step is refused before the optimizer applies it."""
+
+
+def finite_grad_norm(model: torch.nn.Module, clip_grad: float, weight_version: int) -> float:
+    """Clip the gradient to norm ``clip_grad`` (``clip_grad_norm_``) and return its norm before
+    clipping; an inf or NaN norm raises ``NonFiniteGradient`` before any weight changes (a
+    stepped NaN spreads to every weight, and the run went on to report success)."""
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad))
+    if not math.isfinite(norm):
+        raise NonFiniteGradient(f"the gradient at weight version {weight_version} is not finite "
+                                f"(norm {norm}): the step is refused, nothing of it is committed; "
+                                "check trainer.lr and the rewards")
+    return norm
 
 
 class TorchTrainer:
@@ -294,8 +311,8 @@ class TorchTrainer:
                                          micro_weight("token_mean", step_mask, local))
                 for k, v in terms.items():
                     totals[k] = totals.get(k, 0.0) + v
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad)
-            totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(grad_norm)
+            grad_norm = finite_grad_norm(self.model, cfg.clip_grad, self.weight_version)
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
             self.optimizer.step()
             if self.uses_critic:
                 critic_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.clip_grad)
@@ -343,9 +360,9 @@ class TorchTrainer:
             logp, _ = response_logprobs(self.model, pb, vocab_chunk_size=self.cfg.vocab_chunk_size)
         loss = alg.sft_loss(logp, pb.mask, "token_mean")
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad)
+        grad_norm = finite_grad_norm(self.model, self.cfg.clip_grad, self.weight_version)
         self.optimizer.step()
-        return {"sft_loss": float(loss.detach()), "grad_norm": float(grad_norm)}
+        return {"sft_loss": float(loss.detach()), "grad_norm": grad_norm}
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
