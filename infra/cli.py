@@ -67,6 +67,8 @@ def status(run_id: Annotated[str | None, typer.Argument()] = None, home: HomeOpt
     """List runs, or show one run's iterations, weight versions and evaluations."""
     from infra.status import show_status
 
+    if lake_uri is None and not Path(home).is_dir():  # not "no runs": a typo in the path
+        raise ValueError(f"no rlake home at {home} (--home): the folder does not exist")
     show_status(console, lake_uri or str(Path(home) / "lake"), run_id, home)
 
 

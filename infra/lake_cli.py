@@ -56,6 +56,11 @@ def open_lake(lake: str | None, storage_option: list[str] | None) -> Lake:
     local = uri.removeprefix("file://") if uri.startswith("file://") or "://" not in uri else None
     if local is not None and not Path(local).is_dir():
         _fail(f"no lake at {uri} (--lake / RLAKE_LAKE_URI): the folder does not exist")
+    if local is not None and not any((Path(local) / t / "_delta_log").is_dir() for t in TABLES):
+        # a home given for its lake read as an empty lake (count 0, exit 0)
+        hint = f"; its lake is {Path(local) / 'lake'}" if (Path(local) / "lake").is_dir() else ""
+        _fail(f"no lake at {uri} (--lake / RLAKE_LAKE_URI): the folder holds none of the tables "
+              f"{', '.join(TABLES)}{hint}")
     return Lake(uri, storage_options=options)
 
 

@@ -123,9 +123,15 @@ def _record(where: str, raw: dict, row: int, input_key: str, label_key: str | No
     prompt = raw[input_key]
     if not isinstance(prompt, str | list) or not prompt:
         raise ValueError(f"{where}: '{input_key}' must be a non-empty string or a list of messages")
+    if isinstance(prompt, list) and not all(isinstance(m, dict) and "content" in m for m in prompt):
+        raise ValueError(f"{where}: '{input_key}' is a list, so each item must be a message: an "
+                         "object with 'role' and 'content'")
     metadata = raw[metadata_key] if metadata_key else {}
     if isinstance(metadata, str):
-        metadata = json.loads(metadata or "{}")
+        try:
+            metadata = json.loads(metadata or "{}")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: '{metadata_key}' is a string that is not JSON ({e})") from None
     if not isinstance(metadata, dict):
         raise ValueError(f"{where}: '{metadata_key}' must be an object")
     label = raw[label_key] if label_key else None

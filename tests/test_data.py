@@ -65,6 +65,18 @@ def test_malformed_line_names_file_and_line(tmp_path):
         load_prompt_file(str(path), label_key=None)
 
 
+def test_a_bad_message_list_or_metadata_string_names_file_and_line(tmp_path):
+    """Both gave errors without the file or line (``'int' object has no attribute 'get'``, a bare
+    JSON error): review, 2026-11-29."""
+    path = _write_jsonl(tmp_path / "m.jsonl", [{"prompt": [{"role": "user", "content": "a"}]},
+                                               {"prompt": [1, 2]}])
+    with pytest.raises(ValueError, match=r"m.jsonl:line 2: 'prompt' is a list, so each item must be a message"):
+        load_prompt_file(str(path), label_key=None)
+    path = _write_jsonl(tmp_path / "s.jsonl", [{"prompt": "a", "meta": "{}"}, {"prompt": "b", "meta": "{bad"}])
+    with pytest.raises(ValueError, match=r"s.jsonl:line 2: 'meta' is a string that is not JSON"):
+        load_prompt_file(str(path), label_key=None, metadata_key="meta")
+
+
 def test_missing_key_and_empty(tmp_path):
     path = _write_jsonl(tmp_path / "k.jsonl", [{"prompt": "a", "label": 1}, {"prompt": "b"}])
     with pytest.raises(ValueError, match=r"k.jsonl:line 2: missing key 'label'"):

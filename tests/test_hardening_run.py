@@ -115,6 +115,27 @@ def broken_reward(cfg, sample) -> float:  # noqa: ARG001 - custom_rm_path signat
     raise RuntimeError("reward service down")
 
 
+def half_broken_reward(cfg, sample) -> float:  # noqa: ARG001 - custom_rm_path signature
+    if sample.index % 2:
+        raise ValueError("odd sample")
+    return 1.0
+
+
+def test_a_reward_failing_on_some_samples_is_shown_once_and_the_run_goes_on(tmp_path):
+    """Nothing said so before (review, 2026-11-29): the failed half trained as reward 0."""
+    rc, text, errors = _run(tmp_path, "half", "--set", "num_rollout=3",
+                            "--set", "rollout.custom_rm_path=tests.test_hardening_run:half_broken_reward")
+    assert rc == 0 and not errors, text[-3000:]
+    warnings = [line for line in text.splitlines() if "the reward failed for 50% of the samples" in line]
+    assert len(warnings) == 1, text[-3000:]
+    assert "tests.test_hardening_run:half_broken_reward" in warnings[0]
+    from buffer import Lake
+
+    rows = Lake(str(tmp_path / "home" / "lake")).read("trajectories", run_id="half").to_pylist()
+    failed = [r for r in rows if r["kind"] == "train" and r["status"] == "failed"]
+    assert failed and all("odd sample" in r["reward_detail"] for r in failed)
+
+
 @pytest.mark.parametrize("when", ["starting", "serving"])
 def test_serve_on_sigterm_exits_cleanly(tmp_path, when):
     """SIGTERM while the Prefect server starts, or once it serves: exit 0, no traceback, no

@@ -157,6 +157,19 @@ def test_cli_missing_lake_folder_is_an_error(tmp_path):
         assert f"no lake at {tmp_path / 'typo'}" in res.stderr and "does not exist" in res.stderr
 
 
+def test_cli_a_folder_that_is_not_a_lake_is_an_error(lake, tmp_path):
+    """A home given for its lake read as an empty lake (count 0, exit 0): review, 2026-11-29."""
+    home = tmp_path / "home"
+    (home / "lake").mkdir(parents=True)
+    for folder, hint in ((home, f"its lake is {home / 'lake'}"), (home / "lake", "holds none")):
+        res = rlake("sql", "SELECT count(*) FROM trajectories", "--lake", str(folder))
+        assert res.returncode == 2, res.stdout
+        assert f"no lake at {folder}" in res.stderr and hint in res.stderr
+    assert rlake("sql", "SELECT count(*) FROM trajectories", "--lake", lake.uri).returncode == 0
+    res = rlake("status", "--home", str(tmp_path / "typo"))
+    assert res.returncode == 1 and f"no rlake home at {tmp_path / 'typo'}" in res.stderr
+
+
 def test_cli_lake_maintenance(lake):
     res = rlake("lake", "history", "--lake", lake.uri)
     assert res.returncode == 0 and "append_trajectories" in res.stdout
