@@ -208,8 +208,35 @@ def base_model_from_config(config, device: str = "cpu") -> torch.nn.Module:
                                  dtype=torch.float32).to(device)
 
 
+# a folder with none of these has no tokenizer (AutoTokenizer then failed far from the cause)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast | PlainTokenizer:
     """The folder's tokenizer as transformers' AutoTokenizer builds it (the class comes from
     config.json: a Qwen2 folder gets Qwen2Tokenizer's pre-tokenizer and byte-level decoder),
-    from rlake's cache without importing transformers when it was built before (infra.tokenizer)."""
-    return tokenizer_cache.load_tokenizer(path)
+    from rlake's cache without importing transformers when it was built before (infra.tokenizer).
+    Its special tokens are checked against the model's vocabulary (``special_tokens_in_vocab``)."""
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"model.path '{path}' has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    tokenizer = tokenizer_cache.load_tokenizer(path)
+    special_tokens_in_vocab(tokenizer, path)
+    return tokenizer
+
+
+def special_tokens_in_vocab(tokenizer, path: str | Path) -> None:
+    """The eos token must be one of the model's tokens (``vocab_size`` in config.json); a pad
+    token that is missing or outside the vocabulary becomes the eos token, as TRL does (a
+    tokenizer without one padded with an id the model does not have: an index error after
+    the first evaluation)."""
+    config = Path(path) / "config.json"
+    vocab = json.loads(config.read_text()).get("vocab_size") if config.is_file() else None
+
+    def known(token_id: int | None) -> bool:
+        return token_id is not None and (vocab is None or 0 <= token_id < vocab)
+
+    if not known(tokenizer.eos_token_id):
+        raise ConfigError(f"model.path '{path}': its tokenizer's eos token (id "
+                          f"{tokenizer.eos_token_id}) is not a token of the model (vocab_size {vocab})")
+    if not known(tokenizer.pad_token_id):
+        tokenizer.pad_token_id = tokenizer.eos_token_id

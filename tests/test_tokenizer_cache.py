@@ -128,3 +128,28 @@ def test_other_calls_fall_back_to_transformers_and_it_pickles(folder, cache, tmp
         reference("12")["input_ids"]
     copy = pickle.loads(pickle.dumps(load_tokenizer(folder)))
     assert copy("37+48=")["input_ids"] == reference("37+48=")["input_ids"]
+
+
+@pytest.mark.parametrize("load", ["built", "cached"])
+def test_a_tokenizer_without_a_pad_token_pads_with_eos_and_one_missing_is_named(folder, cache, tmp_path, load):
+    """Review (2026-11-29): without a pad token the run padded with id 55 of a 55-token model
+    (an index error after the first evaluation); without tokenizer files it failed in torch."""
+    from infra.config import ConfigError
+
+    nopad = tmp_path / "nopad"
+    shutil.copytree(folder, nopad)
+    config = json.loads((nopad / "tokenizer_config.json").read_text())
+    config.pop("pad_token", None)
+    (nopad / "tokenizer_config.json").write_text(json.dumps(config))
+    if load == "cached":
+        load_tokenizer(nopad)
+    tok = load_tokenizer(nopad)
+    assert isinstance(tok, tokenizer_cache.PlainTokenizer) == (load == "cached")
+    vocab = json.loads((nopad / "config.json").read_text())["vocab_size"]
+    assert tok.eos_token_id is not None and tok.pad_token_id == tok.eos_token_id < vocab
+    assert load_tokenizer(folder).pad_token_id != tok.eos_token_id  # the original keeps its pad
+    empty = tmp_path / "notok"
+    empty.mkdir()
+    shutil.copy(nopad / "config.json", empty / "config.json")
+    with pytest.raises(ConfigError, match="has no tokenizer"):
+        load_tokenizer(empty)
