@@ -91,9 +91,29 @@ def check(cfg: RunConfig) -> None:
     """Everything about ``cfg`` that can be checked in seconds, before anything slow starts."""
     _writable_dir(Path(cfg.home), "home")
     check_lake_uri(cfg)
+    if cfg.model.path and not Path(cfg.model.path).exists():
+        raise StartupError(f"model.path '{cfg.model.path}' does not exist")
     if cfg.model.path and not (Path(cfg.model.path) / "config.json").exists():
         raise StartupError(f"model.path '{cfg.model.path}' is not an HF model folder (no config.json)")
     check_data(cfg)
+    check_reward_names(cfg)
+
+
+def check_reward_names(cfg: RunConfig) -> None:
+    """Each ``rm_type`` the run scores with is one rlake knows (an eval set's was found only
+    after the run was recorded, without its key). A ``custom_rm_path`` scores every set."""
+    from rewards.registry import resolve_rm_type
+
+    if cfg.rollout.custom_rm_path:
+        return
+    names = [("rollout.rm_type", cfg.rollout.rm_type)]
+    names += [(f"eval.datasets.{i}.rm_type (dataset '{ds.name}')", ds.rm_type)
+              for i, ds in enumerate(cfg.eval.datasets) if ds.rm_type]
+    for key, name in names:
+        try:
+            resolve_rm_type(name, cfg.rollout.rm_url)
+        except ValueError as e:
+            raise StartupError(f"{key}: {e}") from None
 
 
 def open_lake(cfg: RunConfig):

@@ -189,3 +189,20 @@ def test_non_finite_numbers_run_ids_and_a_one_sample_group_baseline_are_refused(
     one = load_config(None, ["rollout.n_samples_per_prompt=1",
                              "trainer.advantage_estimator=reinforce_plus_plus"])
     assert one.rollout.n_samples_per_prompt == 1
+
+
+def test_an_unknown_reward_name_is_refused_with_its_key_before_anything_starts():
+    """An eval set's unknown rm_type failed after the run was recorded, without its key
+    (review, 2026-11-29)."""
+    from infra.startup import StartupError, check_reward_names
+
+    with pytest.raises(StartupError, match=r"eval.datasets.0.rm_type \(dataset 'x'\): unknown rm_type 'nosuch'"):
+        check_reward_names(load_config(None, ["eval.datasets=[{name: x, rm_type: nosuch}]"]))
+    with pytest.raises(StartupError, match=r"rollout.rm_type: unknown rm_type 'nosuch'"):
+        check_reward_names(load_config(None, ["rollout.rm_type=nosuch"]))
+    with pytest.raises(StartupError, match=r"rollout.rm_type: rm_type 'remote' needs rollout.rm_url"):
+        check_reward_names(load_config(None, ["rollout.rm_type=remote"]))
+    check_reward_names(load_config(None, ["eval.datasets=[{name: x, rm_type: boxed_math}]"]))
+    # a custom reward scores every set: the names are not used
+    check_reward_names(load_config(None, ["rollout.rm_type=nosuch",
+                                          "rollout.custom_rm_path=tests.opshelp:length_reward"]))
