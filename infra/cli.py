@@ -3,6 +3,7 @@ report, deploy, serve (infra/ops_cli.py)."""
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -91,6 +92,7 @@ app.add_typer(lake_app, name="lake")
 def main() -> None:
     """The console script: every failure exits non-zero (2 usage / refused input, 1 other errors,
     130 Ctrl-C); one ``error:`` line, the traceback only with ``--debug``."""
+    _note_interrupts()
     try:
         # standalone_mode=False hands back ``typer.Exit`` codes (and Ctrl-C as 130) as the return
         # value instead of exiting: an ignored return value is how failures used to exit 0.
@@ -100,11 +102,25 @@ def main() -> None:
     except typer.Exit as exit_:
         code = exit_.exit_code
     except Exception as err:  # noqa: BLE001 - one clear line unless --debug
-        code = _fail(err)
+        # a Ctrl-C that landed inside Prefect's engine can come out as another error
+        # ("Task run is not set"): still an interrupt
+        code = 130 if STATE.get("interrupted") else _fail(err)
     if code == 130:
         _interrupted()
     quick_exit.exit_code = code
     sys.exit(code)
+
+
+def _note_interrupts() -> None:
+    """Ctrl-C raises KeyboardInterrupt as before, and is remembered (``STATE["interrupted"]``)."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return  # ignored (a background job) or someone else's: left alone
+
+    def on_sigint(signum: int, frame: object) -> None:
+        STATE["interrupted"] = True
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, on_sigint)
 
 
 def exit_code(result: object) -> int:

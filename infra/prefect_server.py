@@ -227,8 +227,12 @@ class EmbeddedServer:
         if self.from_template:
             env.update(prefect_db.FROM_TEMPLATE_ENV)
         with open(self.phome / "embedded-server.log", "ab") as log:
+            # its own process group: a terminal's Ctrl-C (SIGINT to the foreground group) stopped
+            # the server too, and the run then reported "its Prefect server ended" instead of an
+            # interrupt (exit 1, not 130); it still dies with the run (``_die_with_parent``)
             self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)  # noqa: PLW1509
+                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,  # noqa: PLW1509
+                                         process_group=0)
 
     def wait(self, timeout_s: float | None = None) -> str:
         """Block until the server answers (spawning it first if another process held the

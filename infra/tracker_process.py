@@ -50,7 +50,10 @@ class TrackerProcess:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", SERVE, str(home), str(from_parent), str(to_parent)],
                 pass_fds=(from_parent, to_parent), env=env, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT)
+                stdout=log, stderr=subprocess.STDOUT,
+                # a terminal's Ctrl-C is the run's to handle (it flushes and closes the MLflow
+                # run); the helper ends when its pipe from the run closes
+                process_group=0)
         os.close(from_parent)
         os.close(to_parent)
         self._requests = Connection(to_helper, readable=False)

@@ -221,3 +221,27 @@ def test_tracker_batches_in_background_and_flushes(tmp_path):
     # a process killed before it recorded the MLflow run's id: the run is found by its tag
     again = Tracker(tmp_path)
     assert again.start("t", params={}, tags={"rlake.run_id": "t"}) == run_id
+
+
+def test_ctrl_c_in_a_terminal_is_an_interrupt_and_resume_finishes(tmp_path):
+    """A terminal's Ctrl-C goes to the whole foreground process group: it stopped the embedded
+    Prefect server too, and the run failed on that ("Connection refused", exit 1) instead of
+    stopping as interrupted (review, 2026-11-29)."""
+    home, log = tmp_path / "home", tmp_path / "run.log"
+    args = ["run", "--set", f"home={home}", "--set", "run_id=ctrlc", *NO_SFT,
+            "--set", "num_rollout=20", "--set", "eval.eval_interval=1"]
+    with open(log, "w") as out:  # a session of its own: the group gets the signal, as from a tty
+        proc = subprocess.Popen([sys.executable, "-m", "infra.cli", *args], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, env=cli_env(None, COLUMNS="200"),
+                                start_new_session=True)
+    deadline = time.monotonic() + 300
+    while "eval after iteration 1:" not in log.read_text() and proc.poll() is None:
+        assert time.monotonic() < deadline, tail(log)
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=120) == 130, tail(log)
+    text = log.read_text()
+    assert "interrupted: `rlake resume RUN_ID`" in text and "error:" not in text, tail(log)
+    assert "Traceback" not in text and "could not close the MLflow run" not in text
+    done = rlake(["resume", "ctrlc", "--home", str(home)], cli_env(None), tmp_path / "resume.log")
+    assert done.returncode == 0, tail(tmp_path / "resume.log")
