@@ -392,6 +392,15 @@ class RunConfig(_Section):
         return self.lake_uri or str(Path(self.home) / "lake")
 
 
+def yaml_error_line(err: yaml.YAMLError) -> str:
+    """PyYAML's error as one line: the problem and where (line and column, 1-based), without
+    the quoted source it prints over several lines."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return f"{problem}{where}"
+
+
 def _section_keys(path: tuple[Any, ...]) -> list[str]:
     """The keys allowed in the section at ``path`` (list indices skipped), [] if none is known."""
     model: type[BaseModel] = RunConfig
@@ -459,7 +468,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         try:
             data = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as err:
-            raise ConfigError(f"{p}: not valid YAML: {err}") from None
+            raise ConfigError(f"{p}: not valid YAML: {yaml_error_line(err)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of config keys")
     return config_from_dict(apply_overrides(data, overrides or []))

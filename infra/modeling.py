@@ -16,7 +16,7 @@ from infra import qwen2
 from infra import tokenizer as tokenizer_cache
 from infra.config import ConfigError, TinyModelConfig
 from infra.db_template import cache_dir, copy_in, write_once
-from infra.tokenizer import PlainTokenizer
+from infra.tokenizer import TOKENIZER_FILES, PlainTokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -206,10 +206,6 @@ def base_model_from_config(config, device: str = "cpu") -> torch.nn.Module:
 
     return AutoModel.from_config(config, attn_implementation=attention_for(device),
                                  dtype=torch.float32).to(device)
-
-
-# a folder with none of these has no tokenizer (AutoTokenizer then failed far from the cause)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast | PlainTokenizer:

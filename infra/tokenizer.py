@@ -30,6 +30,8 @@ from infra.db_template import cache_dir
 SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                 "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json",
                 "merges.txt", "tokenizer.model", "config.json")
+# a folder with none of these has no tokenizer (AutoTokenizer then failed far from the cause)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 # the calls rlake makes, which must be the backend's own in a cached tokenizer's class
 BACKEND_METHODS = ("__call__", "encode", "decode", "_decode", "_encode_plus",
                    "convert_tokens_to_ids")

@@ -206,3 +206,14 @@ def test_an_unknown_reward_name_is_refused_with_its_key_before_anything_starts()
     # a custom reward scores every set: the names are not used
     check_reward_names(load_config(None, ["rollout.rm_type=nosuch",
                                           "rollout.custom_rm_path=tests.opshelp:length_reward"]))
+
+
+def test_a_yaml_syntax_error_is_one_line_with_its_place(tmp_path):
+    """PyYAML's message took seven lines with the quoted source (review, 2026-11-29)."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: [lr: 1\nseed: 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(bad))
+    message = str(err.value)
+    assert "\n" not in message, message
+    assert message == f"{bad}: not valid YAML: expected ',' or ']', but got ':' (line 2, column 5)"
