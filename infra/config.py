@@ -436,7 +436,14 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError(f"--set expects key=value, got '{item}'")
     key, raw = item.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw) if raw != "" else None
+    path = key.strip().split(".")
+    if not all(part.strip() for part in path):  # '=5', 'a..b', 'a.': no key to set
+        raise ConfigError(f"--set expects key=value with a key such as trainer.lr, got '{item}'")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--set {item}: the value is not valid YAML: {yaml_error_line(err)}") from None
+    return [part.strip() for part in path], value
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

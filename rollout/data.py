@@ -121,7 +121,7 @@ def _record(where: str, raw: dict, row: int, input_key: str, label_key: str | No
         if key is not None and key not in raw:
             raise ValueError(f"{where}: missing key '{key}' (keys: {sorted(raw)})")
     prompt = raw[input_key]
-    if not isinstance(prompt, str | list) or not prompt:
+    if not isinstance(prompt, str | list) or not prompt or (isinstance(prompt, str) and not prompt.strip()):
         raise ValueError(f"{where}: '{input_key}' must be a non-empty string or a list of messages")
     if isinstance(prompt, list) and not all(isinstance(m, dict) and "content" in m for m in prompt):
         raise ValueError(f"{where}: '{input_key}' is a list, so each item must be a message: an "

@@ -72,6 +72,9 @@ def test_a_bad_message_list_or_metadata_string_names_file_and_line(tmp_path):
                                                {"prompt": [1, 2]}])
     with pytest.raises(ValueError, match=r"m.jsonl:line 2: 'prompt' is a list, so each item must be a message"):
         load_prompt_file(str(path), label_key=None)
+    path = _write_jsonl(tmp_path / "w.jsonl", [{"prompt": "a"}, {"prompt": "  \n "}])
+    with pytest.raises(ValueError, match=r"w.jsonl:line 2: 'prompt' must be a non-empty string"):
+        load_prompt_file(str(path), label_key=None)
     path = _write_jsonl(tmp_path / "s.jsonl", [{"prompt": "a", "meta": "{}"}, {"prompt": "b", "meta": "{bad"}])
     with pytest.raises(ValueError, match=r"s.jsonl:line 2: 'meta' is a string that is not JSON"):
         load_prompt_file(str(path), label_key=None, metadata_key="meta")
@@ -217,3 +220,11 @@ def test_a_yaml_syntax_error_is_one_line_with_its_place(tmp_path):
     message = str(err.value)
     assert "\n" not in message, message
     assert message == f"{bad}: not valid YAML: expected ',' or ']', but got ':' (line 2, column 5)"
+
+
+def test_a_set_without_a_key_or_with_bad_yaml_says_so():
+    for bad in ("=5", "trainer..lr=1", "trainer.=1"):
+        with pytest.raises(ConfigError, match=r"--set expects key=value with a key"):
+            load_config(None, [bad])
+    with pytest.raises(ConfigError, match=r"--set trainer.lr=\[1: the value is not valid YAML: .*\(line 1"):
+        load_config(None, ["trainer.lr=[1"])
