@@ -285,3 +285,15 @@ def test_readme_documents_the_current_schema():
 
     readme = Path(__file__).resolve().parents[1] / "buffer" / "README.md"
     assert schema_markdown() in readme.read_text(), "regenerate the schema section of buffer/README.md"
+
+
+def test_lineage_of_a_run_the_lake_does_not_hold_says_so(lake):
+    """It said "has no train step producing weight version 1; versions: []" (review, 2026-11-29)."""
+    from infra.lineage import version_lineage
+
+    lake.append_trajectories(synthetic_rows("r", 0, 2))
+    lake.upsert_run({"run_id": "r", "status": "running", "config": "{}"})
+    with pytest.raises(ValueError, match="no run 'nosuch' in the lake at"):
+        version_lineage(lake, "nosuch", 1)
+    with pytest.raises(ValueError, match="run 'r' has no train step producing weight version 1"):
+        version_lineage(lake, "r", 1)
