@@ -472,6 +472,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         p = Path(path)
         if not p.exists():
             raise ConfigError(f"config file not found: {p}")
+        if p.is_dir():
+            raise ConfigError(f"config file {p} is a folder: give the YAML file")
         try:
             data = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as err:

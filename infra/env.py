@@ -66,6 +66,8 @@ def set_environment(home: str | Path, torch_threads: int = 1) -> Path:
     """The environment part of ``configure_environment``: imports nothing heavy, so it can run
     before anything slow (Prefect's server is spawned with this environment)."""
     home = Path(home).resolve()
+    if home.exists() and not home.is_dir():
+        raise NotADirectoryError(f"home '{home}' is a file, not a folder")
     home.mkdir(parents=True, exist_ok=True)
     set_offline_defaults()
     os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))

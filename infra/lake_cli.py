@@ -94,6 +94,10 @@ def sql_command(
         _fail(f"unknown --format {format!r}; choose one of {', '.join(FORMATS)}")
     if format == "parquet" and out is None:
         _fail("--format parquet needs --out FILE")
+    if out is not None and not out.parent.is_dir():  # before the query, not after it ran
+        _fail(f"--out {out}: the folder {out.parent} does not exist")
+    if out is not None and out.is_dir():
+        _fail(f"--out {out}: is a folder, not a file")
     try:
         result = sql(open_lake(lake, storage_option), query, as_of=as_of, memory_limit=memory_limit,
                      timeout_s=timeout)

@@ -228,3 +228,13 @@ def test_a_set_without_a_key_or_with_bad_yaml_says_so():
             load_config(None, [bad])
     with pytest.raises(ConfigError, match=r"--set trainer.lr=\[1: the value is not valid YAML: .*\(line 1"):
         load_config(None, ["trainer.lr=[1"])
+
+
+def test_a_config_path_that_is_a_folder_and_a_home_that_is_a_file_are_named(tmp_path):
+    from infra.env import set_environment
+
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a folder"):
+        load_config(str(tmp_path))
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(NotADirectoryError, match="home '.*afile' is a file, not a folder"):
+        set_environment(tmp_path / "afile")

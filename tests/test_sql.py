@@ -199,3 +199,11 @@ def test_lineage_is_one_query(lake):
                   "WHERE s.run_id = 'r' AND s.weight_version = 1 ORDER BY 1")
     assert t.column("sample_uid").to_pylist() == ["r/0/0", "r/0/1"]
     assert t.column("lake_version").to_pylist() == [v, v]
+
+
+def test_cli_out_into_a_missing_folder_is_refused_before_the_query(lake, tmp_path):
+    res = rlake("sql", "SELECT count(*) FROM trajectories", "--lake", lake.uri, "--out",
+                str(tmp_path / "nodir" / "x.csv"), "--format", "csv")
+    assert res.returncode == 2 and f"the folder {tmp_path / 'nodir'} does not exist" in res.stderr
+    res = rlake("sql", "SELECT 1", "--lake", lake.uri, "--out", str(tmp_path), "--format", "csv")
+    assert res.returncode == 2 and "is a folder, not a file" in res.stderr
