@@ -43,7 +43,7 @@ def version_lineage(lake: Lake, run_id: str, version: int, checkpoint_root: Path
         return {"version": 0, "steps": [], "samples": [], "generated_by": {},
                 "ancestry": [], "note": "version 0 is the starting policy (SFT warm-up or base model)"}
     mine = [s for s in steps if s["weight_version"] == version]
-    if not mine and not steps and lake.get_run(run_id) is None:
+    if not steps and lake.get_run(run_id) is None:
         raise ValueError(f"no run '{run_id}' in the lake at {lake.uri}")
     if not mine:
         known = sorted({s["weight_version"] for s in steps})

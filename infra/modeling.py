@@ -16,7 +16,7 @@ from infra import qwen2
 from infra import tokenizer as tokenizer_cache
 from infra.config import ConfigError, TinyModelConfig
 from infra.db_template import cache_dir, copy_in, write_once
-from infra.tokenizer import TOKENIZER_FILES, PlainTokenizer
+from infra.tokenizer import PlainTokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -213,8 +213,9 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast | PlainTokenizer
     config.json: a Qwen2 folder gets Qwen2Tokenizer's pre-tokenizer and byte-level decoder),
     from rlake's cache without importing transformers when it was built before (infra.tokenizer).
     Its special tokens are checked against the model's vocabulary (``special_tokens_in_vocab``)."""
-    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
-        raise ConfigError(f"model.path '{path}' has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    missing = tokenizer_cache.missing_tokenizer(path)
+    if missing:
+        raise ConfigError(missing)
     tokenizer = tokenizer_cache.load_tokenizer(path)
     special_tokens_in_vocab(tokenizer, path)
     return tokenizer

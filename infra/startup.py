@@ -30,7 +30,7 @@ from pathlib import Path
 from infra.config import RunConfig, check_run_id, config_from_dict
 from infra.faults import fault_point
 from infra.quick_exit import release_named_semaphores
-from infra.tokenizer import TOKENIZER_FILES
+from infra.tokenizer import missing_tokenizer
 
 DEFAULT_HOME = "./rlake-home"
 SERVER_LOST_EXIT = 1  # the CLI's code for a failed command
@@ -96,9 +96,9 @@ def check(cfg: RunConfig) -> None:
         raise StartupError(f"model.path '{cfg.model.path}' does not exist")
     if cfg.model.path and not (Path(cfg.model.path) / "config.json").exists():
         raise StartupError(f"model.path '{cfg.model.path}' is not an HF model folder (no config.json)")
-    if cfg.model.path and not any((Path(cfg.model.path) / f).is_file() for f in TOKENIZER_FILES):
-        raise StartupError(f"model.path '{cfg.model.path}' has no tokenizer (none of "
-                           f"{', '.join(TOKENIZER_FILES)})")
+    missing = missing_tokenizer(cfg.model.path) if cfg.model.path else None
+    if missing:
+        raise StartupError(missing)
     check_data(cfg)
     check_reward_names(cfg)
 

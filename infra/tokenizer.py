@@ -32,6 +32,14 @@ SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.j
                 "merges.txt", "tokenizer.model", "config.json")
 # a folder with none of these has no tokenizer (AutoTokenizer then failed far from the cause)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def missing_tokenizer(folder: str | Path) -> str | None:
+    """Why ``folder`` (``model.path``) has no tokenizer, or None when it has one of
+    ``TOKENIZER_FILES``."""
+    if any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return f"model.path '{folder}' has no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
 # the calls rlake makes, which must be the backend's own in a cached tokenizer's class
 BACKEND_METHODS = ("__call__", "encode", "decode", "_decode", "_encode_plus",
                    "convert_tokens_to_ids")
