@@ -15,7 +15,7 @@ from buffer import Lake
 from flows.deployments import save_spec
 from infra.config import config_from_dict
 from infra.faults import parse_faults
-from infra.recovery import SERVER_SIGNATURE, claim_run, orphan_servers, pid_alive, stop_processes
+from infra.recovery import SERVER_SIGNATURE, _cmdline, claim_run, orphan_servers, pid_alive, stop_processes
 from infra.runtime import Runtime, iteration_seed, resume_point
 from infra.startup import parse_iterations
 from tests.opshelp import ROOT
@@ -141,6 +141,10 @@ def test_orphan_server_found_and_stopped(tmp_path):
 def test_claim_run_refuses_a_live_owner(tmp_path):
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
+        # between fork and exec its /proc cmdline can be empty (CI, 2026-11-29): wait for exec
+        deadline = time.monotonic() + 30
+        while "time.sleep" not in _cmdline(other.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
         (tmp_path / "owner.pid").write_text(str(other.pid))
         with pytest.raises(ValueError, match=f"in use by process {other.pid}"):
             claim_run(tmp_path)
