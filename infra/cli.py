@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -39,7 +40,7 @@ def run(config: Annotated[Path | None, typer.Argument(help="YAML config")] = Non
     from infra.progress import run_with_progress
 
     summary = run_with_progress(cfg, run_id or cfg.run_id, resume=False, console=console,
-                                debug=STATE["debug"])
+                                debug=STATE["debug"], started=_resumable(cfg))
     _print_summary(summary)
 
 
@@ -58,8 +59,18 @@ def resume(run_id: str, home: HomeOpt = "./rlake-home",
         return resume_replay(row, cfg.home, debug=STATE["debug"])
     from infra.progress import run_with_progress
 
-    summary = run_with_progress(cfg, run_id, resume=True, console=console, debug=STATE["debug"])
+    summary = run_with_progress(cfg, run_id, resume=True, console=console, debug=STATE["debug"],
+                                started=_resumable(cfg))
     _print_summary(summary)
+
+
+def _resumable(cfg) -> Callable[[str], None]:
+    """What remembers how to resume the run once it has its id: an interrupt names it."""
+    def started(run_id: str) -> None:
+        from infra.startup import resume_command
+
+        STATE["resume_command"] = resume_command(run_id, cfg)
+    return started
 
 
 @app.command()
@@ -131,7 +142,8 @@ def exit_code(result: object) -> int:
 
 def _interrupted() -> None:
     command = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
-    hint = (": `rlake resume RUN_ID` continues from the last completed iteration"
+    resume = STATE.get("resume_command", "rlake resume RUN_ID")  # RUN_ID: stopped before it had one
+    hint = (f": `{resume}` continues from the last completed iteration"
             if command in ("run", "resume") else "")
     console.print(f"[yellow]interrupted[/]{hint}")
 

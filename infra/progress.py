@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import shlex
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -96,12 +96,15 @@ def live_display(console: Console, run_id: str, debug: bool) -> Iterator[None]:
 
 
 def run_with_progress(cfg: RunConfig, run_id: str | None, resume: bool, console: Console,
-                      debug: bool = False) -> dict:
+                      debug: bool = False, started: Callable[[str], None] | None = None) -> dict:
     """Check, record and open the run (``infra.startup.prepared_run``: Prefect's server starts
-    meanwhile), then run its flow with a live display."""
+    meanwhile), then run its flow with a live display; ``started(run_id)`` once the run holds
+    its id (a new run's may be made up here)."""
     from infra.startup import prepared_run
 
     with prepared_run(cfg, run_id, resume) as run_id:
+        if started is not None:
+            started(run_id)
         from flows.rl import rl_run
 
         with live_display(console, run_id, debug):

@@ -81,6 +81,9 @@ def spawned_main(home: str, torch_threads: int, parent_pid: int, inbox, outbox) 
     from infra import quick_exit
 
     die_with_parent(parent_pid)
+    # a terminal's Ctrl-C reaches the whole foreground group: the run's process takes it and
+    # stops this one ("stop", between batches); here it printed a traceback mid-generation
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from infra.env import configure_environment
 
     configure_environment(home, torch_threads)

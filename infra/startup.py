@@ -96,11 +96,35 @@ def check(cfg: RunConfig) -> None:
         raise StartupError(f"model.path '{cfg.model.path}' does not exist")
     if cfg.model.path and not (Path(cfg.model.path) / "config.json").exists():
         raise StartupError(f"model.path '{cfg.model.path}' is not an HF model folder (no config.json)")
-    missing = missing_tokenizer(cfg.model.path) if cfg.model.path else None
-    if missing:
-        raise StartupError(missing)
+    unusable = cfg.model.path and (missing_tokenizer(cfg.model.path)
+                                   or unreadable_model_file(cfg.model.path))
+    if unusable:
+        raise StartupError(unusable)
     check_data(cfg)
     check_reward_names(cfg)
+
+
+def unreadable_model_file(folder: str | Path) -> str | None:
+    """Why a file of the model folder cannot be read, or None: config.json and tokenizer.json
+    must be JSON, each ``*.safetensors`` file's header whole and covering the file (its header
+    alone is read: milliseconds). Found here, a corrupt or truncated file is refused before the
+    run is recorded, not after (a ``failed`` run of 0 iterations holding the id)."""
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(folder)
+    for name in ("config.json", "tokenizer.json"):
+        if (folder / name).is_file():
+            try:
+                json.loads((folder / name).read_bytes())
+            except (ValueError, UnicodeDecodeError) as e:
+                return f"model.path: {folder / name} is not valid JSON ({e})"
+    for weights in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="numpy"):
+                pass
+        except (SafetensorError, OSError) as e:
+            return f"model.path: cannot read the weights file {weights} ({e})"
+    return None
 
 
 def check_reward_names(cfg: RunConfig) -> None:
@@ -278,9 +302,14 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool) -> Iterator[s
 
             try:
                 open_runtime(cfg, run_id, resume)
-            except BaseException:
-                if not resume:
-                    mark_failed(lake, run_id)
+            except BaseException as e:
+                if resume:
+                    raise
+                mark_failed(lake, run_id)
+                if isinstance(e, Exception):  # the id is taken now: say how to go on with it
+                    raise StartupError(f"run '{run_id}' is recorded as failed before its first "
+                                       f"iteration (once mended, `{resume_command(run_id, cfg)}` "
+                                       f"starts it): {e}") from e
                 raise
             import flows.rl  # noqa: F401 - Prefect's client side imports while its server starts
 

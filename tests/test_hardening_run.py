@@ -223,13 +223,16 @@ def test_tracker_batches_in_background_and_flushes(tmp_path):
     assert again.start("t", params={}, tags={"rlake.run_id": "t"}) == run_id
 
 
-def test_ctrl_c_in_a_terminal_is_an_interrupt_and_resume_finishes(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ctrl_c_in_a_terminal_is_an_interrupt_and_resume_finishes(tmp_path, mode):
     """A terminal's Ctrl-C goes to the whole foreground process group: it stopped the embedded
     Prefect server too, and the run failed on that ("Connection refused", exit 1) instead of
-    stopping as interrupted (review, 2026-11-29)."""
+    stopping as interrupted (review, 2026-11-29). In async mode it reaches the rollout side's
+    process as well."""
     home, log = tmp_path / "home", tmp_path / "run.log"
     args = ["run", "--set", f"home={home}", "--set", "run_id=ctrlc", *NO_SFT,
-            "--set", "num_rollout=20", "--set", "eval.eval_interval=1"]
+            "--set", "num_rollout=20", "--set", "eval.eval_interval=1", "--set", f"mode={mode}",
+            "--set", f"trainer.max_staleness={int(mode == 'async')}"]
     with open(log, "w") as out:  # a session of its own: the group gets the signal, as from a tty
         proc = subprocess.Popen([sys.executable, "-m", "infra.cli", *args], cwd=ROOT, stdout=out,
                                 stderr=subprocess.STDOUT, env=cli_env(None, COLUMNS="200"),
@@ -241,7 +244,18 @@ def test_ctrl_c_in_a_terminal_is_an_interrupt_and_resume_finishes(tmp_path):
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(timeout=120) == 130, tail(log)
     text = log.read_text()
-    assert "interrupted: `rlake resume RUN_ID`" in text and "error:" not in text, tail(log)
+    assert f"interrupted: `rlake resume ctrlc --home {home}` continues" in text, tail(log)
+    assert "error:" not in text, tail(log)
     assert "Traceback" not in text and "could not close the MLflow run" not in text
     done = rlake(["resume", "ctrlc", "--home", str(home)], cli_env(None), tmp_path / "resume.log")
     assert done.returncode == 0, tail(tmp_path / "resume.log")
+    from buffer import Lake
+
+    lake = Lake(str(home / "lake"))
+    steps = lake.sql("SELECT iteration, count(*) AS n FROM train_steps GROUP BY 1 ORDER BY 1")
+    assert steps.column("iteration").to_pylist() == list(range(20))
+    assert set(steps.column("n").to_pylist()) == {1}
+    (samples,) = lake.sql(
+        "SELECT count(*) AS n, count(DISTINCT sample_uid) AS uids, count(DISTINCT iteration) AS "
+        "batches FROM trajectories WHERE kind = 'train'").to_pylist()
+    assert samples["n"] == samples["uids"] and samples["batches"] == 20, samples

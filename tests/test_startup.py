@@ -302,3 +302,54 @@ def test_prefects_queued_logs_reach_the_server_before_it_stops(tmp_path):
     assert "| DEBUG   |" in text, "Prefect's DEBUG logging was not on"
     assert "retryable exception during request" not in text, tail(log)
     assert "All connection attempts failed" not in text, tail(log)
+
+
+def test_unreadable_model_files_are_named(tiny, tmp_path):
+    """A corrupt or truncated weights file, or a tokenizer.json / config.json that is not JSON,
+    is found by the start-up check (before the run is recorded), naming the file; a whole
+    folder passes."""
+    import shutil
+
+    from infra.startup import unreadable_model_file
+
+    path, _ = tiny
+    assert unreadable_model_file(path) is None
+    weights = (path / "model.safetensors").read_bytes()
+    for name, content, expected in (
+            ("model.safetensors", weights[:len(weights) // 2], "cannot read the weights file"),
+            ("model.safetensors", weights[:1000], "cannot read the weights file"),
+            ("tokenizer.json", b'{"model": ', "is not valid JSON"),
+            ("config.json", b"\xff\xfe", "is not valid JSON")):
+        broken = tmp_path / f"broken-{name}-{len(content)}"
+        shutil.copytree(path, broken)
+        (broken / name).write_bytes(content)
+        why = unreadable_model_file(broken)
+        assert why is not None and expected in why and str(broken / name) in why, why
+
+
+def test_a_model_that_fails_to_load_after_the_run_is_recorded_says_how_to_go_on(tiny, tmp_path):
+    """Weights whose shapes do not match config.json pass the start-up check (their header is
+    whole) and fail as the model loads, after the run was recorded: the error says the run is
+    recorded as failed and that `rlake resume` starts it, and it does once the folder is mended."""
+    import shutil
+
+    from buffer import Lake
+
+    path, _ = tiny
+    model, home = tmp_path / "model", tmp_path / "home"
+    shutil.copytree(path, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
+    args = ["run", "--set", f"home={home}", "--run-id", "shapes", *FAST,
+            "--set", "sft.enabled=false", "--set", f"model.path={model}"]
+    log = tmp_path / "run.log"
+    assert rlake(args, cli_env(None, COLUMNS="1000"), log).returncode == 1, tail(log)
+    (line,) = _error_lines(log)
+    assert "size mismatch" in log.read_text()
+    assert "run 'shapes' is recorded as failed" in line
+    assert f"`rlake resume shapes --home {home}` starts it): Error(s) in loading" in line
+    assert Lake(str(home / "lake")).get_run("shapes")["status"] == "failed"
+    (model / "config.json").write_text(json.dumps(config))
+    done = rlake(["resume", "shapes", "--home", str(home)], cli_env(None), tmp_path / "resume.log")
+    assert done.returncode == 0, tail(tmp_path / "resume.log")
+    assert Lake(str(home / "lake")).get_run("shapes")["status"] == "completed"
