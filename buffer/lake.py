@@ -184,6 +184,8 @@ class Lake:
         dt = delta.open_table(self.table_uri(table), self.storage_options)
         if dt is None:
             return None
+        if isinstance(when, int) and not 0 <= when <= dt.version():
+            raise ValueError(f"{table} has no version {when} (its versions are 0 to {dt.version()})")
         try:
             dt.load_as_version(when)
         except Exception as e:  # deltalake raises several types for a missing version

@@ -24,6 +24,17 @@ class _Section(BaseModel):
     # reported success)
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, value: Any, info: Any) -> Any:
+        """``seed: true`` is a mistake, not seed 1 (pydantic reads a bool as 0 or 1)."""
+        if isinstance(value, bool):
+            annotation = cls.model_fields[info.field_name].annotation
+            types = {annotation, *get_args(annotation)}
+            if bool not in types and types & {int, float}:
+                raise ValueError("expected a number, not a boolean")
+        return value
+
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -392,6 +403,28 @@ class RunConfig(_Section):
         return self.lake_uri or str(Path(self.home) / "lake")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last:
+    a second ``lr:`` further down silently won)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, str | int | float | bool):
+                continue  # an unhashable key: the base loader's own error
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' is given twice in one section", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(text: str) -> Any:
+    """``text`` as YAML (safe types), a key given twice in one mapping refused."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def yaml_error_line(err: yaml.YAMLError) -> str:
     """PyYAML's error as one line: the problem and where (line and column, 1-based), without
     the quoted source it prints over several lines."""
@@ -467,20 +500,26 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
     """Read YAML (or nothing: defaults), apply ``--set`` overrides, validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file not found: {p}")
-        if p.is_dir():
-            raise ConfigError(f"config file {p} is a folder: give the YAML file")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{p}: not valid YAML: {yaml_error_line(err)}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping of config keys")
+    data = read_config_file(Path(path)) if path is not None else {}
     return config_from_dict(apply_overrides(data, overrides or []))
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A YAML config file's mapping; every way it can be unreadable is one line naming it."""
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder: give the YAML file")
+    try:
+        # utf-8-sig: a byte-order mark some editors write is not part of the YAML
+        data = read_yaml(path.read_text(encoding="utf-8-sig")) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text ({err})") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {yaml_error_line(err)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of config keys")
+    return data
 
 
 def flat_config(cfg: RunConfig) -> dict[str, Any]:

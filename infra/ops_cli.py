@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-import yaml
 from rich.console import Console
 
-from infra.config import ConfigError, apply_overrides, config_from_dict
+from infra.config import apply_overrides, config_from_dict, read_config_file
 
 console = Console()
 HomeOpt = Annotated[str, typer.Option("--home", help="state folder (lake, MLflow, checkpoints)")]
@@ -32,17 +31,7 @@ def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 
 def _yaml_mapping(path: Path | None) -> dict[str, Any]:
-    if path is None:
-        return {}
-    if not path.exists():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of config keys")
-    return data
+    return {} if path is None else read_config_file(path)
 
 
 def _lake(home: str, lake_uri: str | None):

@@ -86,7 +86,8 @@ def _raw_rows(path: Path) -> list[tuple[str, Any]]:
     with path.open("rb") as fh:
         for line_no, raw in enumerate(fh, start=1):
             try:
-                line = raw.decode("utf-8")
+                # utf-8-sig on line 1: a byte-order mark some editors write is not JSON
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
             except UnicodeDecodeError as err:
                 raise ValueError(f"{path}:line {line_no}: not UTF-8 text (byte 0x{raw[err.start]:02x} "
                                  f"at column {err.start + 1}); prompt files must be UTF-8") from None

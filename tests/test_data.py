@@ -238,3 +238,29 @@ def test_a_config_path_that_is_a_folder_and_a_home_that_is_a_file_are_named(tmp_
     (tmp_path / "afile").write_text("")
     with pytest.raises(NotADirectoryError, match="home '.*afile' is a file, not a folder"):
         set_environment(tmp_path / "afile")
+
+
+def test_a_key_given_twice_a_boolean_for_a_number_and_a_byte_order_mark(tmp_path):
+    """A second ``lr:`` in one section silently won and ``seed: true`` ran as seed 1 (review,
+    2026-11-29); a UTF-8 byte-order mark, which some editors write, was refused in a config and
+    in a prompt file. Non-UTF-8 config text names its file."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("num_rollout: 3\ntrainer:\n  lr: 0.1\n  eps_clip: 0.2\n  lr: 0.2\n")
+    with pytest.raises(ConfigError, match=r"key 'lr' is given twice in one section \(line 5, column 3\)"):
+        load_config(str(twice))
+    # the same key in two sections is two keys
+    assert load_config(None, ["trainer.lr=0.1", "sft.lr=0.2"]).trainer.lr == 0.1
+    for override in ("seed=true", "trainer.lr=false", "eval.eval_interval=true"):
+        with pytest.raises(ConfigError, match=r"expected a number, not a boolean"):
+            load_config(None, [override])
+    assert load_config(None, ["deterministic=true"]).deterministic is True
+    bom = tmp_path / "bom.yaml"
+    bom.write_bytes(b"\xef\xbb\xbfnum_rollout: 3\nseed: 2\n")
+    assert (load_config(str(bom)).num_rollout, load_config(str(bom)).seed) == (3, 2)
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"seed: 3\n# caf\xe9\n")
+    with pytest.raises(ConfigError, match=f"{latin}: not UTF-8 text"):
+        load_config(str(latin))
+    prompts = tmp_path / "bom.jsonl"
+    prompts.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2=", "label": "4"}\n')
+    assert [r["prompt"] for r in load_prompt_file(str(prompts))] == ["1+1=", "2+2="]

@@ -144,6 +144,12 @@ def test_time_travel_by_version_and_timestamp(lake):
     assert lake.read("trajectories", as_of=between.isoformat()).num_rows == 8
     with pytest.raises(ValueError, match="neither a Delta version"):
         lake.read("trajectories", as_of="yesterday")
+    # a version past the last one: named, with the versions there are (delta-rs's own message
+    # spoke of a "LogSegment end version")
+    with pytest.raises(ValueError, match=rf"trajectories has no version {v1 + 1} \(its versions are 0 to {v1}\)"):
+        lake.read("trajectories", as_of=v1 + 1)
+    # before the table's first commit: the table as created, empty (it held no rows then)
+    assert lake.read("trajectories", as_of="2020-01-01T00:00:00").num_rows == 0
 
 
 def test_train_steps_evals_idempotent_and_lineage(lake):
