@@ -20,7 +20,7 @@ from infra.config import RunConfig, config_from_dict
 from infra.modeling import load_tokenizer, placement, tiny_model, use_deterministic_algorithms
 from infra.sides import RolloutSide
 from infra.spawned import SpawnedProcess
-from infra.startup import new_run_id, open_lake, refuse_existing
+from infra.startup import new_run_id, not_a_model_folder, open_lake, refuse_existing
 from infra.tracker_process import TrackerProcess
 from infra.tracking import Tracker
 from rollout.data import PromptDataset
@@ -162,10 +162,10 @@ def iteration_seed(seed: int, iteration: int) -> int:
 
 def _base_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     if cfg.model.path:
-        path = Path(cfg.model.path)
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model.path '{path}' is not an HF model folder (no config.json)")
-        return path
+        problem = not_a_model_folder(cfg.model.path)  # checked at start-up too; not from Python
+        if problem:
+            raise FileNotFoundError(problem)
+        return Path(cfg.model.path)
     return tiny_model(run_dir / "base_model", cfg.model.tiny, seed=cfg.seed)
 
 

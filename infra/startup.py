@@ -92,16 +92,22 @@ def check(cfg: RunConfig) -> None:
     """Everything about ``cfg`` that can be checked in seconds, before anything slow starts."""
     _writable_dir(Path(cfg.home), "home")
     check_lake_uri(cfg)
-    if cfg.model.path and not Path(cfg.model.path).exists():
-        raise StartupError(f"model.path '{cfg.model.path}' does not exist")
-    if cfg.model.path and not (Path(cfg.model.path) / "config.json").exists():
-        raise StartupError(f"model.path '{cfg.model.path}' is not an HF model folder (no config.json)")
-    unusable = cfg.model.path and (missing_tokenizer(cfg.model.path)
+    unusable = cfg.model.path and (not_a_model_folder(cfg.model.path)
+                                   or missing_tokenizer(cfg.model.path)
                                    or unreadable_model_file(cfg.model.path))
     if unusable:
         raise StartupError(unusable)
     check_data(cfg)
     check_reward_names(cfg)
+
+
+def not_a_model_folder(path: str | Path) -> str | None:
+    """Why ``model.path`` is not an HF model folder, or None."""
+    if not Path(path).exists():
+        return f"model.path '{path}' does not exist"
+    if not (Path(path) / "config.json").exists():
+        return f"model.path '{path}' is not an HF model folder (no config.json)"
+    return None
 
 
 def unreadable_model_file(folder: str | Path) -> str | None:
