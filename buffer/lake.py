@@ -59,6 +59,16 @@ def parse_as_of(as_of: int | str | datetime | None) -> int | datetime | None:
     return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
 
 
+def first_logged_version(dt: DeltaTable) -> int | None:
+    """The oldest version whose commit a local table's log still holds (None: not local)."""
+    if not delta.is_local(dt.table_uri):
+        return None
+    log = os.path.join(delta.local_path(dt.table_uri), "_delta_log")
+    versions = [int(name[:20]) for name in os.listdir(log) if name[:20].isdigit()
+                and name.endswith(".json")]
+    return min(versions, default=None)
+
+
 def slice_lake_version(table: pa.Table) -> int | None:
     """The ``trajectories`` Delta version a ``training_slice`` result was read at."""
     meta = table.schema.metadata or {}
@@ -189,6 +199,11 @@ class Lake:
         try:
             dt.load_as_version(when)
         except Exception as e:  # deltalake raises several types for a missing version
+            first = first_logged_version(dt)
+            if isinstance(when, int) and first is not None and when < first:
+                raise ValueError(f"{table} has no version {when} any more: its log starts at "
+                                 f"version {first} (vacuum removes log entries older than the "
+                                 "table's log retention, 30 days by default)") from None
             raise ValueError(f"{table}: cannot read as of {as_of!r}: {e}") from None
         return dt
 

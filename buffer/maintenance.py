@@ -11,7 +11,11 @@ no data (``dataChange=false``): concurrent appends and slices are unaffected.
 ``vacuum`` deletes files no longer referenced by versions newer than the retention period
 (default 7 days) and files never committed (left by an interrupted writer) once they are an hour
 old, whatever the retention (younger, one may be a live writer's whose commit has not landed).
-Time travel to a version whose files were vacuumed is no longer possible.
+Time travel to a version whose files were vacuumed is no longer possible. It also removes the
+table's log entries (JSON commits and checkpoints) older than the table's log retention
+(``delta.logRetentionDuration``, Delta's 30 days by default) that precede a checkpoint: nothing
+else ever removed them, and with a checkpoint every ``CHECKPOINT_INTERVAL`` commits, each
+listing every file of the table, a long run's log grew with the square of its commits.
 """
 
 from __future__ import annotations
@@ -90,6 +94,8 @@ def vacuum(lake: Lake, table: str = "trajectories", retention_hours: int = DEFAU
         # beside this), so only those older than ORPHAN_MIN_HOURS go, whatever the retention
         orphans = dt.vacuum(retention_hours=max(retention_hours, ORPHAN_MIN_HOURS), dry_run=dry_run,
                             enforce_retention_duration=False, full=True)
+        if not dry_run:
+            dt.cleanup_metadata()
         return list(dict.fromkeys([*removed, *orphans]))
 
 

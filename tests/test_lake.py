@@ -232,6 +232,36 @@ def test_compact_keeps_rows_and_slices_vacuum_and_history(lake):
         compact(lake, "evals")
 
 
+def test_vacuum_removes_log_entries_past_the_log_retention(lake):
+    """Nothing removed the Delta log's commits and checkpoints (each checkpoint lists every file
+    of the table: a long run's log grew with the square of its commits). Vacuum removes those
+    older than the table's log retention (30 days) that precede a checkpoint; time travel to one
+    of them then says where the log starts."""
+    import os
+
+    from buffer.delta import CHECKPOINT_INTERVAL
+
+    versions = [lake.append_trajectories(synthetic_rows("r", i, 4)) for i in range(2 * CHECKPOINT_INTERVAL + 3)]
+    log = Path(lake.table_uri("trajectories")) / "_delta_log"
+    entries = sorted(log.iterdir())
+    assert vacuum(lake, retention_hours=168) == [] and sorted(log.iterdir()) == entries
+    checkpoints = sorted(int(e.name[:20]) for e in entries if e.name.endswith(".checkpoint.parquet"))
+    assert len(checkpoints) == 2
+    forty_days_ago = time.time() - 40 * 86400
+    for entry in entries:  # expired: everything up to the second checkpoint
+        if entry.name[:20].isdigit() and int(entry.name[:20]) <= checkpoints[1]:
+            os.utime(entry, (forty_days_ago, forty_days_ago))
+    vacuum(lake, retention_hours=168)
+    left = sorted(int(e.name[:20]) for e in log.iterdir() if e.name.endswith(".json"))
+    assert left == list(range(checkpoints[1], versions[-1] + 1))  # from the last expired checkpoint
+    assert lake.read("trajectories").num_rows == 4 * len(versions)
+    appended_by = checkpoints[1] - versions[0] + 1
+    assert lake.read("trajectories", as_of=checkpoints[1]).num_rows == 4 * appended_by
+    with pytest.raises(ValueError, match=rf"trajectories has no version {versions[0]} any more: its "
+                                         rf"log starts at version {checkpoints[1]}"):
+        lake.read("trajectories", as_of=versions[0])
+
+
 def test_vacuum_leaves_a_live_writers_file_until_it_is_an_hour_old(lake):
     """A file no commit names yet may be a writer's whose commit has not landed: a vacuum with
     retention 0 beside a running append deleted it, and the commit then named a missing file."""
