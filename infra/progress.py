@@ -38,8 +38,9 @@ class RichReporter:
                                                   completed=p["start"], info="")
         elif event == "eval":
             self.last_acc = p["accuracy"]
+            score = "none (its rewards failed)" if p["accuracy"] != p["accuracy"] else f"{p['accuracy']:.3f}"
             self.console.print(f"  eval after iteration {p['iteration']}: held-out accuracy "
-                               f"[bold]{p['accuracy']:.3f}[/]")
+                               f"[bold]{score}[/]")
         elif event == "warning":
             self.console.print(f"  [yellow]warning:[/] {p['message']}")
         elif event == "reuse":

@@ -12,6 +12,7 @@ import torch
 from infra.faults import fault_point
 from infra.runtime import HELD_OUT, Runtime
 from rollout.evaluation import run_eval_set
+from rollout.sample import Sample, Status
 from tasks.rollout import rollout_context
 from tasks.step import step_task
 from trainers.algorithms import pass_at_k_metrics
@@ -22,6 +23,22 @@ def eval_metrics(rewards: list[float], n: int) -> dict[str, float]:
     metrics = pass_at_k_metrics(torch.tensor(rewards, dtype=torch.float64), n)
     metrics["mean_reward"] = sum(rewards) / len(rewards)
     return metrics
+
+
+def eval_set_metrics(samples: list[Sample], n: int) -> dict[str, float]:
+    """``eval_metrics`` with a sample whose reward failed counted as reward 0, and
+    ``failed_ratio`` = failed / samples. With every reward failed there is no score to give:
+    ``failed_ratio`` 1.0 alone (a pass@1 of 0 read as "the model got every one wrong")."""
+    failed = sum(s.status == Status.FAILED for s in samples) / len(samples)
+    if failed == 1.0:
+        return {"failed_ratio": 1.0}
+    return {**eval_metrics([s.reward or 0.0 for s in samples], n), "failed_ratio": failed}
+
+
+def first_failure(samples: list[Sample]) -> str:
+    """The reason the first failed sample gives (its ``reward_detail``'s error)."""
+    detail = next((s.reward_detail for s in samples if s.status == Status.FAILED), {})
+    return str(detail.get("error", detail))[:200]
 
 
 def mlflow_key(dataset: str, metric: str) -> str:
@@ -48,8 +65,17 @@ def evaluate(rt: Runtime, iteration: int) -> dict[str, float]:
             s.index = offset + i
         offset += len(samples)
         rows += [s.to_row(rt.run_id, version, rt.engine.name, "eval") for s in samples]
-        metrics = eval_metrics([s.reward or 0.0 for s in samples], eval_set.n_samples)
-        if eval_set.name == HELD_OUT:
+        metrics = eval_set_metrics(samples, eval_set.n_samples)
+        shown = rt.__dict__.setdefault("eval_failures_shown", set())
+        if metrics["failed_ratio"] == 1.0 or (metrics["failed_ratio"] > 0 and eval_set.name not in shown):
+            shown.add(eval_set.name)  # some failed: once per set; all failed: every time
+            scored = ("no score is recorded" if "pass@1" not in metrics else
+                      "they count as reward 0 in its scores")
+            rt.report("warning", {"message": f"eval after iteration {iteration}: the reward failed "
+                                  f"for {metrics['failed_ratio']:.0%} of eval set "
+                                  f"'{eval_set.name}''s samples ({first_failure(samples)}); "
+                                  f"{scored} (each error: trajectories.reward_detail)"})
+        if eval_set.name == HELD_OUT and "pass@1" in metrics:
             metrics["accuracy"] = metrics["pass@1"]
         for name, value in metrics.items():
             evals.append({"run_id": rt.run_id, "weight_version": version, "iteration": iteration,
@@ -60,5 +86,6 @@ def evaluate(rt: Runtime, iteration: int) -> dict[str, float]:
     fault_point("during_evaluation")
     rt.tracker.log_metrics(logged, step=iteration)
     first = rt.eval_sets[0].name
-    accuracy = logged.get("eval/accuracy", logged.get(mlflow_key(first, "pass@1")))
+    # nan: the set's rewards all failed (a number still, for the progress line and MLflow)
+    accuracy = logged.get("eval/accuracy", logged.get(mlflow_key(first, "pass@1"), float("nan")))
     return {"accuracy": accuracy, "weight_version": version, **logged}

@@ -36,6 +36,21 @@ def test_eval_metrics_formula():
     assert mlflow_key("held_out", "pass@4") == "eval/pass_at_4"
     assert mlflow_key("gsm", "mean_reward") == "eval/gsm/mean_reward"
 
+def test_eval_set_metrics_count_a_failed_reward_and_give_no_score_when_all_failed():
+    from rollout.sample import Sample, Status
+    from tasks.eval import eval_set_metrics
+
+    def sample(reward, status):
+        return Sample(group_index=0, index=0, prompt="p", prompt_token_ids=[1], reward=reward,
+                      status=status)
+
+    some = [sample(1.0, Status.COMPLETED), sample(0.0, Status.FAILED),
+            sample(1.0, Status.COMPLETED), sample(0.0, Status.COMPLETED)]
+    m = eval_set_metrics(some, 1)
+    assert m["failed_ratio"] == 0.25 and m["pass@1"] == 0.5 and m["mean_reward"] == 0.5
+    assert eval_set_metrics([sample(None, Status.FAILED)] * 4, 2) == {"failed_ratio": 1.0}
+
+
 def test_two_eval_sets_with_their_own_settings(tiny, tmp_path):
     path = tmp_path / "ev.jsonl"
     path.write_text("".join(json.dumps({"q": f"{i}*2=", "a": i * 2}) + "\n" for i in range(5)))

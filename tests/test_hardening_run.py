@@ -136,6 +136,30 @@ def test_a_reward_failing_on_some_samples_is_shown_once_and_the_run_goes_on(tmp_
     assert failed and all("odd sample" in r["reward_detail"] for r in failed)
 
 
+def eval_broken_reward(cfg, sample) -> float:  # noqa: ARG001 - custom_rm_path signature
+    if sample.metadata.get("eval_dataset"):
+        raise ValueError("no labels for the eval set")
+    return 1.0
+
+
+def test_an_eval_set_whose_rewards_all_fail_records_no_score(tmp_path):
+    """It was recorded as pass@1 / accuracy 0, mean reward 0, without a word (review,
+    2026-11-29): read as "the model got every one wrong". Now: failed_ratio 1.0 alone, and a
+    warning naming the set and the first error at each evaluation."""
+    rc, text, errors = _run(tmp_path, "evfail", "--set", "num_rollout=2",
+                            "--set", "rollout.custom_rm_path=tests.test_hardening_run:eval_broken_reward")
+    assert rc == 0 and not errors, text[-3000:]
+    warnings = [line for line in text.splitlines() if "the reward failed for 100% of eval set "
+                "'held_out''s samples (ValueError: no labels for the eval set); no score is recorded" in line]
+    assert "held-out accuracy none (its rewards failed)" in text
+    from buffer import Lake
+
+    evals = Lake(str(tmp_path / "home" / "lake")).read("evals", run_id="evfail").to_pylist()
+    versions = {e["weight_version"] for e in evals}
+    assert len(versions) >= 2 and len(warnings) == len(versions), text[-3000:]
+    assert {(e["metric"], e["value"]) for e in evals} == {("failed_ratio", 1.0)}
+
+
 @pytest.mark.parametrize("when", ["starting", "serving"])
 def test_serve_on_sigterm_exits_cleanly(tmp_path, when):
     """SIGTERM while the Prefect server starts, or once it serves: exit 0, no traceback, no
