@@ -20,10 +20,15 @@ listing every file of the table, a long run's log grew with the square of its co
 
 from __future__ import annotations
 
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import unquote
 
-from buffer.delta import ROW_GROUP_SIZE, writer_properties
+from buffer.delta import ROW_GROUP_SIZE, is_local, local_path, writer_properties
 from buffer.lake import Lake
 
 DEFAULT_RETENTION_HOURS = 168
@@ -49,6 +54,23 @@ def _table_or_error(lake: Lake, table: str):
     return dt
 
 
+@contextmanager
+def compaction_lock(lake: Lake, table: str) -> Iterator[None]:
+    """Hold ``table``'s compaction lock (``{lake}/.{table}.compaction.lock``, a lock across
+    processes), waiting for one another process holds. Two compactions of one table at once
+    both landed (delta-rs takes the second rewrite of the same files as a commit of its own):
+    every row twice, and a resume then trained on each sample twice or refused to continue
+    (review, 2026-11-29). An object-store lake has no such lock: run one compaction at a time."""
+    if not is_local(lake.uri):
+        yield
+        return
+    root = local_path(lake.uri)
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, f".{table}.compaction.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
 def compact(lake: Lake, table: str = "trajectories", run_id: str | None = None,
             max_row_group_size: int | None = None, target_size: int = TARGET_FILE_SIZE,
             sort: bool = True, checkpoint: bool = True) -> dict[str, Any]:
@@ -59,8 +81,8 @@ def compact(lake: Lake, table: str = "trajectories", run_id: str | None = None,
     otherwise files are bin-packed as they are. ``checkpoint`` writes a Delta checkpoint after,
     so opening the table reads one Parquet file instead of every JSON commit.
     """
-    with lake._lock:
-        dt = _table_or_error(lake, table)
+    with lake._lock, compaction_lock(lake, table):
+        dt = _table_or_error(lake, table)  # as it is now: another compaction may have ended
         props = writer_properties(max_row_group_size or ROW_GROUP_ROWS.get(table, ROW_GROUP_SIZE))
         parts = [("run_id", "=", run_id)] if run_id is not None and table == "trajectories" else None
         cols = SORT_COLUMNS.get(table) if sort else None
@@ -88,15 +110,31 @@ def vacuum(lake: Lake, table: str = "trajectories", retention_hours: int = DEFAU
         raise ValueError(f"retention_hours must be >= 0, got {retention_hours}")
     with lake._lock:
         dt = _table_or_error(lake, table)
-        removed = dt.vacuum(retention_hours=retention_hours, dry_run=dry_run,
-                            enforce_retention_duration=False, full=False)
-        # files no commit names: a writer's file is one until its commit lands (a run appending
-        # beside this), so only those older than ORPHAN_MIN_HOURS go, whatever the retention
-        orphans = dt.vacuum(retention_hours=max(retention_hours, ORPHAN_MIN_HOURS), dry_run=dry_run,
-                            enforce_retention_duration=False, full=True)
-        if not dry_run:
-            dt.cleanup_metadata()
-        return list(dict.fromkeys([*removed, *orphans]))
+
+        def expired(dry: bool) -> list[str]:
+            removed = dt.vacuum(retention_hours=retention_hours, dry_run=dry,
+                                enforce_retention_duration=False, full=False)
+            # files no commit names: a writer's file is one until its commit lands (a run
+            # appending beside this), so only those older than ORPHAN_MIN_HOURS go
+            orphans = dt.vacuum(retention_hours=max(retention_hours, ORPHAN_MIN_HOURS),
+                                dry_run=dry, enforce_retention_duration=False, full=True)
+            return list(dict.fromkeys([*removed, *orphans]))
+
+        # delta-rs names every expired tombstone, also one an earlier vacuum deleted: a local
+        # table's list is the files still there (each vacuum said "deleted 32 files" again)
+        files = _still_there(lake, table, expired(dry=True)) if is_local(lake.uri) else None
+        if dry_run:
+            return files if files is not None else expired(dry=True)
+        deleted = expired(dry=False)
+        dt.cleanup_metadata()
+        return files if files is not None else deleted
+
+
+def _still_there(lake: Lake, table: str, files: list[str]) -> list[str]:
+    """The files of ``files`` (relative to the table, maybe %-encoded) that exist."""
+    root = local_path(lake.table_uri(table))
+    return [f for f in files
+            if os.path.exists(os.path.join(root, f)) or os.path.exists(os.path.join(root, unquote(f)))]
 
 
 def history(lake: Lake, table: str = "trajectories", limit: int | None = None) -> list[dict[str, Any]]:

@@ -64,6 +64,16 @@ def open_lake(lake: str | None, storage_option: list[str] | None) -> Lake:
     return Lake(uri, storage_options=options)
 
 
+def inside_local_lake(path: Path, lake_uri: str) -> bool:
+    """Whether ``path`` lies in the folder of a local lake (an object-store lake: never)."""
+    from buffer.delta import is_local, local_path, normalize_uri
+
+    uri = normalize_uri(lake_uri)
+    if not is_local(uri):
+        return False
+    return path.resolve().is_relative_to(Path(local_path(uri)).resolve())
+
+
 def _fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
@@ -98,6 +108,10 @@ def sql_command(
         _fail(f"--out {out}: the folder {out.parent} does not exist")
     if out is not None and out.is_dir():
         _fail(f"--out {out}: is a folder, not a file")
+    if out is not None and inside_local_lake(out, lake):
+        # a Parquet file written over a data file lost its rows; a JSON one in _delta_log
+        # became a commit (review, 2026-11-29)
+        _fail(f"--out {out}: is inside the lake ({lake}); write the result elsewhere")
     try:
         result = sql(open_lake(lake, storage_option), query, as_of=as_of, memory_limit=memory_limit,
                      timeout_s=timeout)
@@ -118,15 +132,18 @@ def sql_command(
 @lake_app.command("compact")
 def compact_command(
     table: TableOpt = "trajectories",
-    run_id: Annotated[str | None, typer.Option("--run-id", help="Only this run's partition.")] = None,
+    run_id: Annotated[str | None, typer.Option(
+        "--run-id", help="Only this run's partition (trajectories only).")] = None,
     max_row_group_size: Annotated[int | None, typer.Option(
-        help="Rows per Parquet row group (default: 2048; 64 for train_steps).")] = None,
+        min=1, help="Rows per Parquet row group (default: 2048; 64 for train_steps).")] = None,
     sort: Annotated[bool, typer.Option(help="Sort rewritten rows by version (Z-order).")] = True,
     lake: LakeOpt = DEFAULT_LAKE,
     storage_option: StorageOpt = None,
 ) -> None:
     """Rewrite small files into larger ones with small row groups; print the metrics as JSON."""
     _check_table(table)
+    if run_id is not None and table != "trajectories":  # the other tables are not partitioned
+        _fail(f"--run-id: only trajectories is partitioned by run; {table} is compacted whole")
     try:
         metrics = compact(open_lake(lake, storage_option), table, run_id=run_id,
                           max_row_group_size=max_row_group_size, sort=sort)
@@ -160,7 +177,7 @@ def vacuum_command(
 @lake_app.command("history")
 def history_command(
     table: TableOpt = "trajectories",
-    limit: Annotated[int | None, typer.Option(help="Newest N commits only.")] = 20,
+    limit: Annotated[int | None, typer.Option(min=1, help="Newest N commits only.")] = 20,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per commit.")] = False,
     lake: LakeOpt = DEFAULT_LAKE,
     storage_option: StorageOpt = None,

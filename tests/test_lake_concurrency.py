@@ -113,3 +113,56 @@ def test_sigkill_mid_append_leaves_whole_batches(tmp_path):
     # files half-written by killed writers are never referenced; vacuum removes them
     vacuum(lake, retention_hours=0)
     assert _files_on_disk(uri) == set(DeltaTable(lake.table_uri("trajectories")).file_uris())
+
+
+def _compact(lake_uri: str, barrier) -> None:
+    from buffer.maintenance import compact
+
+    barrier.wait()
+    compact(Lake(lake_uri))
+
+
+def _hold_lock(lake_uri: str, held, release) -> None:
+    from buffer.maintenance import compaction_lock
+
+    with compaction_lock(Lake(lake_uri), "trajectories"):
+        held.set()
+        release.wait(120)
+
+
+def test_two_compactions_at_once_keep_every_row_once(tmp_path):
+    """Both commits of two concurrent compactions landed (3 tries in 5, review 2026-11-29):
+    every row twice. The compaction lock makes the second wait and rewrite what the first left;
+    while another process holds it, a compaction does not start."""
+    import time
+
+    uri = str(tmp_path / "lake")
+    lake = Lake(uri)
+    ctx = mp.get_context("spawn")
+    for round_ in range(3):
+        for k in range(8):  # small files for this round's compactions
+            lake.append_trajectories(synthetic_rows("run", round_ * 100 + k, ROWS, response_len=8))
+        barrier = ctx.Barrier(2)
+        procs = [ctx.Process(target=_compact, args=(uri, barrier)) for _ in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+            assert p.exitcode == 0
+        uids = Lake(uri).read("trajectories", columns=["sample_uid"]).column(0).to_pylist()
+        assert len(uids) == 8 * (round_ + 1) * ROWS and len(set(uids)) == len(uids)
+    version = Lake(uri).table_version("trajectories")
+    lake.append_trajectories(synthetic_rows("run", 999, ROWS, response_len=8))
+    held, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold_lock, args=(uri, held, release))
+    holder.start()
+    assert held.wait(60)
+    alone = ctx.Barrier(1)  # held here: a collected one's semaphore is gone before the child opens it
+    compacting = ctx.Process(target=_compact, args=(uri, alone))
+    compacting.start()
+    time.sleep(3)
+    assert compacting.is_alive() and Lake(uri).table_version("trajectories") == version + 1
+    release.set()
+    compacting.join(120)
+    holder.join(30)
+    assert compacting.exitcode == 0 and Lake(uri).table_version("trajectories") > version + 1

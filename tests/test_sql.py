@@ -179,11 +179,20 @@ def test_cli_lake_maintenance(lake):
     assert res.returncode == 0 and len([x for x in res.stdout.splitlines() if x.endswith(".parquet")]) == 2
     res = rlake("lake", "vacuum", "--lake", lake.uri, "--retention-hours", "0")
     assert res.returncode == 0 and "deleted 2 files" in res.stderr
+    # the files are gone: a second vacuum deletes none (it said "deleted 2 files" again)
+    res = rlake("lake", "vacuum", "--lake", lake.uri, "--retention-hours", "0", "--dry-run")
+    assert res.returncode == 0 and "would delete 0 files" in res.stderr and not res.stdout.strip()
     res = rlake("lake", "history", "--lake", lake.uri, "--json", "--limit", "1")
     assert json.loads(res.stdout)["operation"] == "VACUUM END"
     assert lake.read("trajectories").num_rows == 16
     res = rlake("lake", "compact", "--lake", lake.uri, "--table", "bogus")
     assert res.returncode == 2 and "unknown table 'bogus'" in res.stderr
+    # a run's partition exists only in trajectories: elsewhere --run-id compacted every run's files
+    res = rlake("lake", "compact", "--lake", lake.uri, "--table", "runs", "--run-id", "r")
+    assert res.returncode == 2 and "--run-id: only trajectories is partitioned by run" in res.stderr
+    for args in (["history", "--limit", "-1"], ["compact", "--max-row-group-size", "-5"]):
+        res = rlake("lake", *args, "--lake", lake.uri)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     res = rlake("lake", "history", "--lake", lake.uri, "-S", "AWS_REGION=eu-west-1", "--limit", "1")
     assert res.returncode == 0 and "VACUUM END" in res.stdout  # a local lake ignores store options
     res = rlake("lake", "history", "--lake", lake.uri, "-S", "=x")
@@ -207,3 +216,14 @@ def test_cli_out_into_a_missing_folder_is_refused_before_the_query(lake, tmp_pat
     assert res.returncode == 2 and f"the folder {tmp_path / 'nodir'} does not exist" in res.stderr
     res = rlake("sql", "SELECT 1", "--lake", lake.uri, "--out", str(tmp_path), "--format", "csv")
     assert res.returncode == 2 and "is a folder, not a file" in res.stderr
+
+
+def test_cli_out_inside_the_lake_is_refused(lake, tmp_path):
+    """A Parquet result written over a data file lost its rows; a JSON one in _delta_log
+    became a commit (review, 2026-11-29)."""
+    data_file = next((tmp_path / "lake" / "trajectories").rglob("*.parquet"))
+    next_commit = tmp_path / "lake" / "trajectories" / "_delta_log" / "00000000000000000099.json"
+    for out, fmt in ((data_file, "parquet"), (next_commit, "json")):
+        res = rlake("sql", "SELECT 1 AS x", "--lake", lake.uri, "--out", str(out), "--format", fmt)
+        assert res.returncode == 2 and "is inside the lake" in res.stderr, res.stderr
+    assert not next_commit.exists() and lake.read("trajectories").num_rows == 16
