@@ -125,8 +125,15 @@ def check_statements(con: duckdb.DuckDBPyConnection, query: str) -> str:
 
 
 def referenced_tables(query: str) -> list[str]:
-    """Lake table names that appear as words in ``query`` (case-insensitive)."""
-    return [t for t in TABLES if re.search(rf"\b{t}\b", query, flags=re.IGNORECASE)]
+    """The lake tables ``query`` reads, as DuckDB's parser finds them (case-insensitive): not a
+    column alias or a string that spells a table's name (``count(*) AS runs`` had ``--as-of``
+    applied to the runs table, and failed on its versions: review, 2026-11-29). A query the
+    parser refuses: the tables named as words (its error comes when it runs)."""
+    try:
+        names = {name.split(".")[-1].lower() for name in duckdb.get_table_names(query)}
+    except duckdb.Error:
+        return [t for t in TABLES if re.search(rf"\b{t}\b", query, flags=re.IGNORECASE)]
+    return [t for t in TABLES if t in names]
 
 
 def _as_of_for(as_of: AsOf, table: str) -> int | str | datetime | None:

@@ -50,9 +50,14 @@ def version_lineage(lake: Lake, run_id: str, version: int, checkpoint_root: Path
         raise ValueError(f"run '{run_id}' has no train step producing weight version {version}; "
                          f"versions: {known[:1] + ['...'] + known[-1:] if len(known) > 2 else known}")
     samples = []
+    columns = ["sample_uid", "iteration", "weight_version", "reward", "data_source", "row", "metadata"]
     for s in mine:
-        table = lake.read("trajectories", run_id=run_id, as_of=s["lake_version"], columns=[
-            "sample_uid", "iteration", "weight_version", "reward", "data_source", "row", "metadata"])
+        try:
+            table = lake.read("trajectories", run_id=run_id, as_of=s["lake_version"], columns=columns)
+        except ValueError:
+            # that version's files were vacuumed, or its log entry cleaned up (routine
+            # maintenance): a row is never changed or removed, so today's table holds the same
+            table = lake.read("trajectories", run_id=run_id, columns=columns)
         table = table.filter(pc.is_in(table.column("sample_uid"), pa.array(s["sample_uids"], pa.string())))
         samples.extend(table.to_pylist())
     by_version = {s["weight_version"]: s for s in steps}

@@ -36,6 +36,13 @@ def test_sql_time_travel(lake):
     v = lake.table_version("trajectories")
     assert sql(lake, "SELECT count(*) n FROM trajectories", as_of=v - 1).column(0).to_pylist() == [10]
     assert sql(lake, "SELECT count(*) n FROM trajectories", as_of={"trajectories": v}).column(0)[0].as_py() == 16
+    # a version only trajectories has: an alias or a string spelling another table's name is not
+    # a read of that table (it was: "runs has no version N", review 2026-11-29)
+    for query in ("SELECT count(*) AS runs FROM trajectories",
+                  "SELECT count(*) FROM Trajectories WHERE kind <> 'evals'"):
+        assert sql(lake, query, as_of=v).column(0).to_pylist() == [16]
+    with pytest.raises(ValueError, match="runs has no version"):
+        sql(lake, "SELECT count(*) FROM trajectories, runs", as_of=v)
 
 
 @pytest.mark.parametrize("query, word", [
@@ -227,3 +234,26 @@ def test_cli_out_inside_the_lake_is_refused(lake, tmp_path):
         res = rlake("sql", "SELECT 1 AS x", "--lake", lake.uri, "--out", str(out), "--format", fmt)
         assert res.returncode == 2 and "is inside the lake" in res.stderr, res.stderr
     assert not next_commit.exists() and lake.read("trajectories").num_rows == 16
+
+
+def test_lineage_after_compaction_and_vacuum(lake):
+    """Lineage read each step's samples as of its lake version, which routine maintenance
+    (compact, then vacuum) makes unreadable: it failed while the rows were all still there
+    (review, 2026-11-29). It reads today's table then (rows never change)."""
+    from buffer.maintenance import compact, vacuum
+    from infra.lineage import version_lineage
+
+    v = lake.table_version("trajectories")
+    lake.append_train_step({"run_id": "r", "step": 0, "iteration": 0, "base_version": 0,
+                            "weight_version": 1, "lake_version": v, "sample_uids": ["r/0/0", "r/0/1"]})
+    before = version_lineage(lake, "r", 1)
+    compact(lake)
+    vacuum(lake, retention_hours=0)
+    with pytest.raises(ValueError, match="vacuum"):
+        lake.read("trajectories", as_of=v)
+    after = version_lineage(lake, "r", 1)
+    assert sorted(s["sample_uid"] for s in after["samples"]) == ["r/0/0", "r/0/1"]
+    def by_uid(info: dict) -> list[dict]:
+        return sorted(info["samples"], key=lambda s: s["sample_uid"])
+
+    assert by_uid(after) == by_uid(before)
