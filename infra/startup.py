@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from infra.config import RunConfig, check_run_id, config_from_dict
+from infra.data_digest import changed_prompt_data, prompt_data_digest
 from infra.faults import fault_point
 from infra.quick_exit import release_named_semaphores
 from infra.tokenizer import missing_tokenizer
@@ -74,18 +75,40 @@ def check_lake_uri(cfg: RunConfig) -> None:
 
 
 def check_data(cfg: RunConfig) -> None:
-    """Read every configured data file once (format, encoding, keys): errors name file and line."""
+    """Read every configured data file once (format, encoding, keys, a row's own ``rm_type``):
+    errors name file and line."""
     from rollout.data import load_prompt_file
+    from rollout.evaluation import prompt_file_keys
 
     d = cfg.data
+    files = []
     if d.prompt_data:
-        load_prompt_file(d.prompt_data, d.input_key, d.label_key, d.metadata_key, d.tool_key)
+        files.append((d.prompt_data, (d.input_key, d.label_key, d.metadata_key, d.tool_key)))
     elif d.task is None:
         raise StartupError("no prompt data: set data.prompt_data (a JSONL/Parquet file) or data.task")
-    for ds in cfg.eval.datasets:
-        if ds.path:
-            load_prompt_file(ds.path, ds.input_key or d.input_key, ds.label_key or d.label_key,
-                             ds.metadata_key or d.metadata_key)
+    # an eval set's keys as it is built (rollout.evaluation): its tool_key was not checked here
+    files += [(ds.path, prompt_file_keys(ds, d)) for ds in cfg.eval.datasets if ds.path]
+    for path, keys in files:
+        check_row_rewards(load_prompt_file(path, *keys), path, cfg.rollout.rm_url)
+
+
+def check_row_rewards(records: list[dict], source: str, rm_url: str | None) -> None:
+    """A row's ``metadata.rm_type`` (which scores it instead of the run's reward) names a
+    reward rlake knows: an unknown one failed each of its samples, every iteration, with one
+    warning for the run (review, 2026-11-29)."""
+    from rewards.registry import resolve_rm_type
+    from rollout.data import locate
+
+    known: set[str] = set()
+    for i, rec in enumerate(records):
+        name = (rec.get("metadata") or {}).get("rm_type")
+        if not name or name in known:
+            continue
+        try:
+            resolve_rm_type(str(name), rm_url)
+        except ValueError as e:
+            raise StartupError(f"{locate(source, rec.get('row', i))}: metadata rm_type: {e}") from None
+        known.add(name)
 
 
 def check(cfg: RunConfig) -> None:
@@ -252,7 +275,8 @@ def record_run(lake, cfg: RunConfig, run_id: str) -> None:
     try:
         lake.upsert_run({"run_id": run_id, "config": cfg.model_dump_json(), "status": "running",
                          "created_at": now, "updated_at": now,
-                         "notes": json.dumps({"pid": os.getpid()})})
+                         "notes": json.dumps({"pid": os.getpid(),
+                                              "prompt_data": prompt_data_digest(cfg.data.prompt_data)})})
     except OSError as err:
         raise StartupError(f"lake_uri '{cfg.resolved_lake_uri}': {describe_os_error(err)}") from None
 
@@ -291,7 +315,12 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool) -> Iterator[s
     lake = open_lake(cfg)
     if resume:
         row = load_row(lake, cfg, run_id)
-        check_data(config_from_dict(json.loads(row["config"])))
+        recorded = config_from_dict(json.loads(row["config"]))
+        check_data(recorded)
+        changed = changed_prompt_data(json.loads(row.get("notes") or "{}").get("prompt_data"),
+                                      recorded.data.prompt_data)
+        if changed:
+            raise StartupError(f"run '{run_id}': {changed}")
     else:
         run_id = run_id or cfg.run_id or new_run_id()
         check_new_run_id(run_id)

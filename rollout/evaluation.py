@@ -41,11 +41,7 @@ def build_eval_sets(cfg, held_out: list[dict] | None, held_out_source: str) -> l
                                  "held-out set (data.task is null): give it a path")
             records, source = held_out, f"{held_out_source}:{ds.name}"
         else:
-            d = cfg.data
-            records = load_prompt_file(ds.path, ds.input_key or d.input_key,
-                                       ds.label_key or d.label_key, ds.metadata_key or d.metadata_key,
-                                       d.tool_key)
-            source = ds.path
+            records, source = load_prompt_file(ds.path, *prompt_file_keys(ds, cfg.data)), ds.path
         temperature = ds.temperature if ds.temperature is not None else (
             0.0 if cfg.eval.greedy else cfg.rollout.rollout_temperature)
         sampling = SamplingParams(max_new_tokens=ds.max_response_len or cfg.rollout.rollout_max_response_len,
@@ -54,6 +50,13 @@ def build_eval_sets(cfg, held_out: list[dict] | None, held_out_source: str) -> l
                            scorer=Scorer.from_config(cfg, rm_type=ds.rm_type),
                            n_samples=ds.n_samples_per_eval_prompt, sampling=sampling))
     return out
+
+
+def prompt_file_keys(ds, data) -> tuple[str, str | None, str | None, str | None]:
+    """(input_key, label_key, metadata_key, tool_key) of an eval set's file: its own, else the
+    training data's (``data.*``)."""
+    return (ds.input_key or data.input_key, ds.label_key or data.label_key,
+            ds.metadata_key or data.metadata_key, data.tool_key)
 
 
 def default_eval_rollout(ctx: RolloutContext, eval_set: EvalSet) -> list[list[Sample]]:

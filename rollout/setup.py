@@ -40,9 +40,9 @@ def load_run_data(cfg, tokenizer) -> tuple[PromptDataset, list[dict]]:
     return dataset, (split.held_out if split else [])
 
 
-def context_limit(cfg, tokenizer) -> int | None:
-    """The longest prompt the model can take: max_position_embeddings - rollout_max_response_len
-    (None when the model does not say)."""
+def context_limit(cfg, tokenizer, response_len: int | None = None) -> int | None:
+    """The longest prompt the model can take: max_position_embeddings - ``response_len``
+    (default rollout_max_response_len); None when the model does not say."""
     if cfg.model.path:
         import json
         from pathlib import Path
@@ -53,7 +53,7 @@ def context_limit(cfg, tokenizer) -> int | None:
         positions = cfg.model.tiny.max_position_embeddings
     if not positions:
         return None
-    return max(1, positions - cfg.rollout.rollout_max_response_len)
+    return max(1, positions - (response_len or cfg.rollout.rollout_max_response_len))
 
 
 def attach_rollout(rt) -> None:
@@ -65,4 +65,10 @@ def attach_rollout(rt) -> None:
     rt.eval_fn = load_configured("eval_function_path", cfg.eval.eval_function_path)
     source = f"builtin:{cfg.data.task}" if cfg.data.task else rt.dataset.source
     rt.eval_sets = build_eval_sets(cfg, rt.held_out, source)
+    for eval_set in rt.eval_sets:  # as the training prompts (they were generated truncated)
+        limit = cfg.data.max_prompt_tokens or context_limit(cfg, rt.tokenizer,
+                                                            eval_set.sampling.max_new_tokens)
+        if limit is not None:
+            check_prompt_lengths(eval_set.records, rt.tokenizer, limit,
+                                 cfg.data.apply_chat_template, eval_set.source)
     rt.data_position = next_data_position(rt.lake, rt.run_id, cfg.rollout.rollout_batch_size)

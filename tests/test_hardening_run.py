@@ -59,6 +59,18 @@ def test_max_prompt_tokens_is_configurable(tmp_path):
     assert f"{data}:line 1: prompt has 6 tokens, more than data.max_prompt_tokens=3" in errors[0]
 
 
+def test_an_eval_prompt_longer_than_the_context_names_its_file_and_line(tmp_path):
+    """Eval sets skipped the length check the training prompts get: a prompt over the model's
+    context was generated truncated, scored 0, and the run exited 0 (review, 2026-11-29)."""
+    evals = tmp_path / "evals.jsonl"
+    evals.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"prompt": "1+1=", "label": "2"}, {"prompt": "1" * 100 + "+1=", "label": "0"})))
+    rc, _, errors = _run(tmp_path, "evlong", "--set", f"eval.datasets=[{{name: long, path: {evals}}}]")
+    assert rc == 1
+    (line,) = errors
+    assert f"{evals}:line 2: prompt has 103 tokens, more than data.max_prompt_tokens=58" in line
+
+
 @pytest.mark.parametrize("uri, expected", [
     ("file", "lake_uri '{uri}': is a file, not a folder"),
     ("ftp://host/lake", "lake_uri 'ftp://host/lake': unknown scheme 'ftp://'"),

@@ -353,3 +353,49 @@ def test_a_model_that_fails_to_load_after_the_run_is_recorded_says_how_to_go_on(
     done = rlake(["resume", "shapes", "--home", str(home)], cli_env(None), tmp_path / "resume.log")
     assert done.returncode == 0, tail(tmp_path / "resume.log")
     assert Lake(str(home / "lake")).get_run("shapes")["status"] == "completed"
+
+
+def test_data_check_reads_eval_sets_as_they_are_built_and_each_rows_reward(tmp_path):
+    """A row's metadata rm_type was never checked: an unknown one failed its samples every
+    iteration behind one warning. An eval set's file was checked without data.tool_key, which
+    its build uses: the run was recorded, then failed (review, 2026-11-29)."""
+    from infra.config import load_config
+    from infra.startup import StartupError, check_data
+
+    prompts, evals = tmp_path / "p.jsonl", tmp_path / "e.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"prompt": "1+1=", "label": "2", "meta": {"rm_type": "math"}, "tools": []},
+        {"prompt": "2+2=", "label": "4", "meta": {"rm_type": "matth"}, "tools": []})))
+    evals.write_text(json.dumps({"prompt": "3+3=", "label": "6", "meta": {}}) + "\n")
+    base = [f"data.prompt_data={prompts}", "data.metadata_key=meta"]
+    with pytest.raises(StartupError, match=rf"{prompts}:line 2: metadata rm_type: unknown rm_type 'matth'"):
+        check_data(load_config(None, base))
+    prompts.write_text(prompts.read_text().replace("matth", "math"))
+    check_data(load_config(None, base))
+    with pytest.raises(ValueError, match=rf"{evals}:line 1: missing key 'tools'"):
+        check_data(load_config(None, [*base, "data.tool_key=tools",
+                                      f"eval.datasets=[{{name: e, path: {evals}}}]"]))
+
+
+def test_resume_refuses_a_prompt_file_changed_since_the_run_started(tmp_path):
+    """The data position counts prompts in the file's order: a resume after the file changed
+    went on in other rows without a word (review, 2026-11-29)."""
+    from buffer import Lake
+
+    home, prompts = tmp_path / "home", tmp_path / "p.jsonl"
+    rows = [{"prompt": f"{a}+{a}=", "label": str(2 * a)} for a in range(10, 30)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    log = tmp_path / "run.log"
+    proc = rlake(["run", "--set", f"home={home}", "--run-id", "data", *TINY, "--set", "sft.enabled=false",
+                  "--set", "num_rollout=3", "--set", f"data.prompt_data={prompts}"],
+                 cli_env(None, RLAKE_FAULT="after_lake_append:1"), log)
+    assert proc.returncode != 0 and Lake(str(home / "lake")).get_run("data")["status"] == "running"
+    original = prompts.read_text()
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in reversed(rows)))
+    log = tmp_path / "resume.log"
+    assert rlake(["resume", "data", "--home", str(home)], cli_env(None), log).returncode == 1
+    (line,) = _error_lines(log)
+    assert f"run 'data': data.prompt_data {prompts} changed since the run started" in line
+    prompts.write_text(original)
+    done = rlake(["resume", "data", "--home", str(home)], cli_env(None), tmp_path / "again.log")
+    assert done.returncode == 0, tail(tmp_path / "again.log")
