@@ -51,6 +51,9 @@ def collect(lake: Lake, run_id: str) -> dict:
     metrics: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for e in evals:
         metrics[f"{e['dataset']}/{e['metric']}"].append((e["weight_version"], e["value"]))
+    # a set's failed_ratio is shown only where some of its rewards failed (a flat 0 otherwise)
+    metrics = {k: v for k, v in metrics.items()
+               if not k.endswith("/failed_ratio") or any(x > 0 for _, x in v)}
     return {"run": run, "rollout": rollout_by_iteration([r for r in traj if r["kind"] == "train"]),
             "steps": steps, "evals": {k: sorted(v) for k, v in metrics.items()}}
 

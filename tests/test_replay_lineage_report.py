@@ -194,6 +194,10 @@ def test_report_html_and_figures(source, tmp_path):
         assert f'src="{p.name}"' in html
     assert html.count("<tr>") == ITERS + 1  # header + one row per iteration
     assert "held_out/accuracy" in html
+    # recorded (0.0) for every evaluation, drawn and listed only where some reward failed
+    evals = Lake(str(home / "lake")).read("evals", run_id=SOURCE).to_pylist()
+    assert {e["value"] for e in evals if e["metric"] == "failed_ratio"} == {0.0}
+    assert "failed_ratio" not in html
 
 
 def test_identical_eval_series_are_drawn_once():
