@@ -31,7 +31,7 @@ from rewards.tasks import countdown_reward
 from rewards.text import exact_answer_reward, f1_score
 from rewards.workers import RewardWorkers
 from rollout.functions import call, load_configured, load_function
-from rollout.sample import Sample, Status, nonfinite_reason
+from rollout.sample import Sample, Status, detail_json, nonfinite_reason
 
 RewardFn = Callable[[str, "str | None", dict], "float | dict"]
 SampleScorer = Callable[[Sample], "float | dict"]
@@ -111,6 +111,30 @@ def get_reward_fn(rm_type: str, custom_rm_path: str | None = None) -> RewardFn:
     return REGISTRY[rm_type]
 
 
+# One pool per (function, cfg, size) in this process, not one per Scorer: the train reward and
+# every eval set's Scorer (rollout/evaluation.py builds them from the config alone) call the same
+# function with the same cfg, and separate pools kept 8 idle processes each for the whole run
+# (3 eval sets: 32 workers, ~7 GB, on 2 cores). Kept here, where Scorers are built, so no caller
+# has to pass a pool along. Keyed by the cfg's identity (the workers get that cfg; the pool holds
+# it, so the id is not reused while the entry lives); the time limit is per call, not per pool.
+_POOLS: dict[tuple[str, int, int], RewardWorkers] = {}
+
+
+def shared_workers(path: str, cfg: Any, size: int) -> RewardWorkers:
+    """The process's pool for ``path`` called with ``cfg`` by at most ``size`` workers."""
+    key = (path, id(cfg), size)
+    if key not in _POOLS:
+        _POOLS[key] = RewardWorkers(path, cfg, size)
+    return _POOLS[key]
+
+
+def release_workers(workers: RewardWorkers) -> None:
+    """Stop a pool's processes and forget it: a Scorer built later gets a fresh pool."""
+    for key in [k for k, pool in _POOLS.items() if pool is workers]:
+        del _POOLS[key]
+    workers.close()
+
+
 @dataclass
 class Scorer:
     """Scores one sample: ``metadata["rm_type"]`` if set, else ``custom_rm_path``, else
@@ -130,7 +154,7 @@ class Scorer:
         self._cache: dict[str, Callable[[Sample], float | dict]] = {}
         if self._custom is None:
             self._resolve(self.rm_type)
-        self.workers = (RewardWorkers(self.custom_rm_path, self.cfg, self.max_workers)
+        self.workers = (shared_workers(self.custom_rm_path, self.cfg, self.max_workers)
                         if self._custom is not None else None)
 
     def in_worker(self, sample: Sample) -> bool:
@@ -163,9 +187,10 @@ class Scorer:
         return out
 
     def close(self) -> None:
-        """Stop the reward worker processes (a later call starts new ones)."""
+        """Stop the reward worker processes, shared with the run's other scorers (a later call
+        starts new ones; closing the others too, as the run's close does, is a no-op)."""
         if self.workers is not None:
-            self.workers.close()
+            release_workers(self.workers)
 
     @classmethod
     def from_config(cls, cfg: Any, rm_type: str | None = None) -> Scorer:
@@ -196,6 +221,10 @@ def _as_score(value: float | dict) -> tuple[float, dict]:
         if "score" not in value:
             raise ValueError("reward dict has no 'score' key")
         score, detail = float(value["score"]), dict(value)
+        try:  # here, not at the lake append: one odd dict crashed the whole run there
+            detail_json(detail)
+        except (TypeError, ValueError, RecursionError) as err:
+            raise ValueError(f"reward dict cannot be stored as JSON ({err})") from None
     else:
         score, detail = float(value), {}
     if not math.isfinite(score):

@@ -9,8 +9,10 @@ its sample.
 
 Workers start on demand (fresh interpreters, ``python -m rewards.workers``: no forked copy of
 the trainer's threads and locks), load the function once, report ready, then serve calls until
-their stdin closes (the parent's exit, even a kill -9, closes it), so none outlives the run.
-Messages are length-prefixed pickles over the worker's stdin/stdout.
+their stdin closes (the parent's exit, even a kill -9, closes it). A worker mid-call never reads
+stdin, so each also dies with its parent (``PR_SET_PDEATHSIG``): none outlives the run, not even
+one busy-looping when the run is killed. Messages are length-prefixed pickles over the worker's
+stdin/stdout.
 """
 
 from __future__ import annotations
@@ -21,17 +23,21 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import IO, Any
 
+from infra.spawned import die_with_parent
 from rewards.concurrent import Outcome
 
 READY = "ready"
 START_TIMEOUT_S = 300.0  # a worker that cannot import the function in this time is a broken setup
 _HEADER = struct.Struct("<Q")
+_spawner: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor): see _spawn
 
 
 def send(stream: IO[bytes], message: Any) -> None:
@@ -57,12 +63,25 @@ def _read_exact(stream: IO[bytes], n: int) -> bytes:
     return b"".join(chunks)
 
 
+def _spawn(args: list[str]) -> subprocess.Popen:
+    """Start a worker process from one thread that lives as long as this process: the kernel's
+    PR_SET_PDEATHSIG fires when the *thread* that started a worker ends, not its process (a
+    worker started from a thread that then exited got SIGKILL, checked 2026-11-29), and scoring
+    may run on a step's thread. A forked child has no copy of that thread: it starts its own."""
+    global _spawner
+    if _spawner is None or _spawner[0] != os.getpid():
+        _spawner = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlake-reward-spawn"))
+    return _spawner[1].submit(subprocess.Popen, args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              bufsize=0).result()
+
+
 def _serve() -> None:
     """Worker process (``python -m rewards.workers``): take ``(sys.path, path, cfg)``, load the
     function once, then answer ``(i, sample)`` with ``(i, ok, value)`` until stdin closes.
 
     A plain interpreter, not multiprocessing's spawn, which would first import the parent's
     ``__main__`` (for ``rlake``: the whole CLI, 6 s and 170 MB per worker, measured here)."""
+    die_with_parent(int(sys.argv[1]))  # a kill -9 of the run: stdin's EOF is never read mid-call
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     inp, out = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # the function's prints go to stderr, never into the reply pipe
@@ -108,6 +127,8 @@ class RewardWorkers:
     size: int = 4
     workers: list[_Worker] = field(default_factory=list)
     replaced: int = 0  # workers killed after a timeout or found dead
+    # Scorers share a pool (rewards.registry.shared_workers): one batch at a time
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def pids(self) -> list[int]:
         return [w.process.pid for w in self.workers]
@@ -115,6 +136,10 @@ class RewardWorkers:
     def map(self, samples: list, timeout_s: float) -> list[Outcome]:
         """One ``Outcome`` per sample, in order: the value, ``Type: message`` of what the
         function raised, or ``timed out after {timeout_s}s`` (from the call's hand-over)."""
+        with self._lock:
+            return self._map(samples, timeout_s)
+
+    def _map(self, samples: list, timeout_s: float) -> list[Outcome]:
         results: list[Outcome | None] = [None] * len(samples)
         todo = deque(range(len(samples)))
         try:
@@ -138,8 +163,7 @@ class RewardWorkers:
 
     def _start(self, wanted: int) -> None:
         while len(self.workers) < wanted:
-            process = subprocess.Popen([sys.executable, "-m", "rewards.workers"], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, bufsize=0)
+            process = _spawn([sys.executable, "-m", "rewards.workers", str(os.getpid())])
             send(process.stdin, (list(sys.path), self.path, self.cfg))
             self.workers.append(_Worker(process, time.monotonic()))
 

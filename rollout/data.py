@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollout.sample import SAMPLE_KEY
+
 POSITION_METRIC = "rollout/data_position_end"
 _SLICE = re.compile(r"^(?P<path>.+)@\[(?P<start>-?\d*):(?P<end>-?\d*)\]$")
 
@@ -124,9 +126,9 @@ def _record(where: str, raw: dict, row: int, input_key: str, label_key: str | No
     prompt = raw[input_key]
     if not isinstance(prompt, str | list) or not prompt or (isinstance(prompt, str) and not prompt.strip()):
         raise ValueError(f"{where}: '{input_key}' must be a non-empty string or a list of messages")
-    if isinstance(prompt, list) and not all(isinstance(m, dict) and "content" in m for m in prompt):
+    if isinstance(prompt, list) and not all(_is_message(m) for m in prompt):
         raise ValueError(f"{where}: '{input_key}' is a list, so each item must be a message: an "
-                         "object with 'role' and 'content'")
+                         "object with 'role' and 'content' (a string; null only with 'tool_calls')")
     metadata = raw[metadata_key] if metadata_key else {}
     if isinstance(metadata, str):
         try:
@@ -135,9 +137,58 @@ def _record(where: str, raw: dict, row: int, input_key: str, label_key: str | No
             raise ValueError(f"{where}: '{metadata_key}' is a string that is not JSON ({e})") from None
     if not isinstance(metadata, dict):
         raise ValueError(f"{where}: '{metadata_key}' must be an object")
-    label = raw[label_key] if label_key else None
-    return {"prompt": prompt, "label": None if label is None else str(label),
-            "metadata": metadata, "tools": raw[tool_key] if tool_key else None, "row": row}
+    if SAMPLE_KEY in metadata:  # to_row would overwrite it, from_row would read it as our fields
+        raise ValueError(f"{where}: '{metadata_key}' has the key '{SAMPLE_KEY}', which rlake "
+                         "reserves for its own sample fields in the lake; rename it")
+    record = {"prompt": prompt, "label": _label_text(where, label_key, raw[label_key] if label_key else None),
+              "metadata": metadata, "tools": raw[tool_key] if tool_key else None, "row": row}
+    for field, key in (("prompt", input_key), ("label", label_key), ("metadata", metadata_key),
+                       ("tools", tool_key)):
+        _check_utf8(where, key, record[field])
+    return record
+
+
+def _is_message(m: Any) -> bool:
+    """A chat message whose content a template (or the plain join) can use: null content only
+    on an assistant's tool call, as OpenAI's format writes it (else it became the text "None")."""
+    if not isinstance(m, dict) or "content" not in m:
+        return False
+    return m["content"] is not None or bool(m.get("tool_calls"))
+
+
+def _label_text(where: str, label_key: str | None, label: Any) -> str | None:
+    """The label as text: a string as is, an int as its digits, anything else as JSON text (a
+    list ``[3, "three"]`` was Python's repr ``[3, 'three']``). A float keeps JSON's form (3.0
+    stays "3.0": 3.0 and 3 are different JSON texts, and the math rewards compare numerically);
+    NaN or infinity is refused (``str`` made it "nan", which no answer equals)."""
+    if label is None or isinstance(label, str):
+        return label
+    if type(label) is int:
+        return str(label)
+    try:
+        return json.dumps(label, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        raise ValueError(f"{where}: '{label_key}' holds NaN or Infinity, not a usable label") from None
+
+
+def _check_utf8(where: str, key: str, value: Any) -> None:
+    """Refuse a string (or object key) that cannot be written as UTF-8: JSON's ``\\ud800`` escape
+    decodes to a lone surrogate, which loads fine and then broke the tokenizer or the lake
+    append mid-run, with no file or line."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_utf8(where, key, k)
+            _check_utf8(where, key, v)
+    elif isinstance(value, list):
+        for v in value:
+            _check_utf8(where, key, v)
+    elif isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(f"{where}: '{key}' is not valid UTF-8 text (lone surrogate "
+                             f"{value[err.start]!r} at character {err.start + 1}); prompt files "
+                             "must be UTF-8") from None
 
 
 def render_prompt(tokenizer, prompt: str | list[dict], apply_chat_template: bool,
@@ -150,7 +201,7 @@ def render_prompt(tokenizer, prompt: str | list[dict], apply_chat_template: bool
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                              add_generation_prompt=True)
     if isinstance(prompt, list):
-        return "\n".join(str(m.get("content", "")) for m in prompt)
+        return "\n".join(str(m.get("content") or "") for m in prompt)  # null: a tool call's message
     return prompt
 
 

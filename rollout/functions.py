@@ -34,8 +34,8 @@ def load_function(path: str, n_params: int | None = None, what: str = "function"
         raise ValueError(f"{what} '{path}' must look like 'package.module:function'")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"{what} '{path}' cannot be loaded: {err}") from None
+    except Exception as err:  # noqa: BLE001 - any failure at import (SyntaxError, a raise) is a config error
+        raise ValueError(f"{what} '{path}' cannot be loaded: {type(err).__name__}: {err}") from None
     if not callable(fn):
         raise ValueError(f"{what} '{path}' is not callable")
     if n_params is not None:

@@ -90,7 +90,7 @@ class Sample:
             "rollout_logprobs": [float(x) for x in self.rollout_log_probs],
             "loss_mask": [int(x) for x in self.loss_mask],
             "reward": None if self.reward is None else float(self.reward),
-            "reward_detail": json.dumps(self.reward_detail, default=str),
+            "reward_detail": detail_json(self.reward_detail),
             "label": self.label,
             "status": Status(self.status).value,
             "finish_reason": self.finish_reason,
@@ -133,6 +133,13 @@ class Sample:
             row=row.get("row"),
             **{k: v for k, v in extra.items() if k in _EXTRA_DEFAULTS},
         )
+
+
+def detail_json(detail: dict[str, Any]) -> str:
+    """The ``reward_detail`` column's text: values JSON cannot hold (a NumPy array, a set) as
+    their ``str``; a key that is not a string or number, or a cycle, raises (TypeError,
+    ValueError), which scoring checks first (``rewards.registry``) to fail only that sample."""
+    return json.dumps(detail, default=str)
 
 
 def nonfinite_reason(reward: float) -> str:

@@ -264,3 +264,59 @@ def test_a_key_given_twice_a_boolean_for_a_number_and_a_byte_order_mark(tmp_path
     prompts = tmp_path / "bom.jsonl"
     prompts.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2=", "label": "4"}\n')
     assert [r["prompt"] for r in load_prompt_file(str(prompts))] == ["1+1=", "2+2="]
+
+
+def test_a_lone_surrogate_anywhere_in_a_record_names_file_and_line(tmp_path):
+    """JSON's ``\\ud800`` escape passed the start-up check, then crashed SFT ("TextInputSequence
+    must be str") or the lake append ("surrogates not allowed") mid-run, with no file or line:
+    review, 2026-11-29."""
+    cases = {"prompt": '{"prompt": "1+2=\\ud800", "label": 3, "meta": {}}',
+             "label": '{"prompt": "1+2=", "label": "3\\ud800", "meta": {}}',
+             "meta": '{"prompt": "1+2=", "label": "3", "meta": {"k": ["ok", "\\udfff"]}}'}
+    for key, line in cases.items():
+        path = tmp_path / f"{key}.jsonl"
+        path.write_text('{"prompt": "a", "label": "1", "meta": {}}\n' + line + "\n")
+        with pytest.raises(ValueError, match=rf"{key}.jsonl:line 2: '{key}' is not valid UTF-8 text"):
+            load_prompt_file(str(path), metadata_key="meta")
+    messages = _write_jsonl(tmp_path / "m.jsonl", [{"prompt": [{"role": "user", "content": "\ud800"}]}])
+    with pytest.raises(ValueError, match=r"m.jsonl:line 1: 'prompt' is not valid UTF-8 text"):
+        load_prompt_file(str(messages), label_key=None)
+
+
+def test_a_reward_module_that_fails_on_import_names_its_config_key(tmp_path, monkeypatch):
+    """A RuntimeError or SyntaxError at import gave ``error: cannot init reward model`` or
+    ``error: expected ':'`` without the key: review, 2026-11-29."""
+    (tmp_path / "rm_raises_at_import.py").write_text('raise RuntimeError("cannot init reward model")\n')
+    (tmp_path / "rm_bad_syntax.py").write_text("def reward(cfg, sample) return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"^bad config value for 'rollout.custom_rm_path': custom_rm_path "
+                                          r"'rm_raises_at_import:reward' cannot be loaded: RuntimeError: "
+                                          "cannot init reward model"):
+        load_config(None, ["rollout.custom_rm_path=rm_raises_at_import:reward"])
+    with pytest.raises(ConfigError, match=r"'rollout.custom_rm_path': .*'rm_bad_syntax:reward' cannot be "
+                                          r"loaded: SyntaxError: .*rm_bad_syntax.py, line 1"):
+        load_config(None, ["rollout.custom_rm_path=rm_bad_syntax:reward"])
+
+
+def test_labels_keep_their_json_text_and_a_null_content_or_sample_key_is_refused(tmp_path):
+    """A list label became Python's repr, NaN became "nan", ``"content": null`` became the prompt
+    "None", a metadata key ``_sample`` was overwritten in the lake: review, 2026-11-29."""
+    path = _write_jsonl(tmp_path / "l.jsonl", [{"prompt": "a", "label": v}
+                                               for v in (3, [3, "three"], {"a": "é"}, 3.0, True, None, "x")])
+    assert [r["label"] for r in load_prompt_file(str(path))] == [
+        "3", '[3, "three"]', '{"a": "é"}', "3.0", "true", None, "x"]
+    path.write_text('{"prompt": "a", "label": 1}\n{"prompt": "b", "label": NaN}\n')
+    with pytest.raises(ValueError, match=r"l.jsonl:line 2: 'label' holds NaN or Infinity"):
+        load_prompt_file(str(path))
+    path = _write_jsonl(tmp_path / "c.jsonl", [{"prompt": [{"role": "user", "content": None}]}])
+    with pytest.raises(ValueError, match=r"c.jsonl:line 1: 'prompt' is a list, so each item must be a message"):
+        load_prompt_file(str(path), label_key=None)
+    tool_call = [{"role": "user", "content": "2+2?"},
+                 {"role": "assistant", "content": None, "tool_calls": [{"name": "calc"}]}]
+    path = _write_jsonl(tmp_path / "t.jsonl", [{"prompt": tool_call}])
+    prompt = load_prompt_file(str(path), label_key=None)[0]["prompt"]
+    assert render_prompt(build_char_tokenizer(), prompt, apply_chat_template=False) == "2+2?\n"
+    path = _write_jsonl(tmp_path / "s.jsonl", [{"prompt": "a", "meta": {}},
+                                               {"prompt": "b", "meta": {"_sample": "hello"}}])
+    with pytest.raises(ValueError, match=r"s.jsonl:line 2: 'meta' has the key '_sample', which rlake reserves"):
+        load_prompt_file(str(path), label_key=None, metadata_key="meta")

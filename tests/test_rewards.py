@@ -388,3 +388,110 @@ def test_reward_worker_crash_and_unsendable_value_fail_only_their_sample():
         scorer.close()
     with pytest.raises(ValueError, match="custom_rm_path 'tests.test_rewards:nope' cannot be loaded"):
         Scorer(custom_rm_path="tests.test_rewards:nope")
+
+
+def test_a_reward_worker_mid_call_dies_with_a_killed_run(tmp_path):
+    """A kill -9 of the run left a busy-looping worker behind, reparented and spinning (its
+    stdin's EOF is only read between calls): review, 2026-11-29."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pid_file = tmp_path / "spin.pid"
+    run = ("import sys\n"
+           f"sys.path[:0] = {sys.path!r}\n"
+           "from rewards.registry import Scorer, score_samples\n"
+           "from tests.test_rewards import _sample\n"
+           "scorer = Scorer(custom_rm_path='tests.test_rewards:spin_reward', timeout_s=600.0, max_workers=1)\n"
+           f"score_samples([_sample('spin', pid_file={str(pid_file)!r})], scorer)\n")
+    child = subprocess.Popen([sys.executable, "-c", run], cwd=Path(__file__).parents[1])
+    spun = None
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() or not pid_file.read_text():
+            assert child.poll() is None and time.monotonic() < deadline, "the reward never started"
+            time.sleep(0.05)
+        spun = int(pid_file.read_text())
+        child.kill()
+        child.wait()
+        deadline = time.monotonic() + 5
+        while _pid_alive(spun) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _pid_alive(spun), "the busy reward worker outlived the killed run"
+    finally:
+        if child.poll() is None:
+            child.kill()
+        if spun is not None and _pid_alive(spun):
+            os.kill(spun, signal.SIGKILL)
+
+
+def test_a_reward_worker_outlives_the_thread_that_started_it():
+    """PR_SET_PDEATHSIG fires when the starting *thread* ends: a worker started by scoring on a
+    step's thread must still serve the next batch."""
+    scorer = Scorer(custom_rm_path="tests.test_rewards:spin_reward", timeout_s=60.0, max_workers=1)
+    try:
+        first = [_sample("a")]
+        thread = threading.Thread(target=score_samples, args=(first, scorer))
+        thread.start()
+        thread.join()
+        time.sleep(0.5)  # a SIGKILL from the thread's end would have landed
+        again = [_sample("b")]
+        assert score_samples(again, scorer) == 0
+        assert again[0].reward_detail["pid"] == first[0].reward_detail["pid"]
+        assert scorer.workers.replaced == 0
+    finally:
+        scorer.close()
+
+
+def test_scorers_of_one_config_share_one_worker_pool():
+    """The train reward and each eval set's Scorer had a pool each: 3 eval sets x 8 workers were
+    32 processes (~7 GB) on 2 cores (review, 2026-11-29)."""
+    from infra.config import load_config
+
+    cfg = load_config(None, ["rollout.custom_rm_path=tests.test_rewards:spin_reward",
+                             "rollout.reward_max_workers=2"])
+    train, *evals = [Scorer.from_config(cfg), Scorer.from_config(cfg, rm_type="exact"),
+                     Scorer.from_config(cfg, rm_type="math")]
+    try:
+        for scorer in (train, *evals):
+            assert score_samples([_sample(str(i)) for i in range(4)], scorer) == 0
+        assert all(e.workers is train.workers for e in evals)
+        workers = train.workers.pids()
+        assert 1 <= len(workers) <= 2
+        other = Scorer.from_config(load_config(None, ["rollout.custom_rm_path=tests.test_rewards:spin_reward"]))
+        assert other.workers is not train.workers  # another run's cfg: its own pool
+    finally:
+        for scorer in (train, *evals):  # as the run's close does: each scorer, the pool stops once
+            scorer.close()
+    assert not any(_pid_alive(p) for p in workers)
+    assert Scorer.from_config(cfg).workers is not train.workers  # a closed pool is not handed out
+
+
+def odd_dict_reward(cfg, sample):
+    """custom_rm_path shape: a reward dict whose extra key or value JSON cannot hold."""
+    if sample.response == "tuple key":
+        return {"score": 1.0, (1, 2): "x"}
+    if sample.response == "cycle":
+        detail = {"score": 1.0}
+        detail["self"] = detail
+        return detail
+    return {"score": 0.5, "arr": {1, 2}, 7: "int key"}  # str() of a set, "7": stored as before
+
+
+def test_a_reward_dict_json_cannot_hold_fails_only_its_sample():
+    """``{"score": 1.0, (1, 2): "x"}`` crashed the whole run at Sample.to_row ("keys must be
+    str, int, float, bool or None, not tuple"): review, 2026-11-29."""
+    scorer = Scorer(custom_rm_path="tests.test_rewards:odd_dict_reward", max_workers=1)
+    try:
+        samples = [_sample("tuple key"), _sample("cycle"), _sample("fine")]
+        assert score_samples(samples, scorer) == 2
+    finally:
+        scorer.close()
+    assert [s.status for s in samples] == [Status.FAILED, Status.FAILED, Status.PENDING]
+    assert samples[0].reward_detail["error"] == ("ValueError: reward dict cannot be stored as JSON "
+                                                 "(keys must be str, int, float, bool or None, not tuple)")
+    assert samples[1].reward_detail["error"].startswith("ValueError: reward dict cannot be stored as JSON")
+    rows = [s.to_row("r", 0, "torch") for s in samples]
+    assert json.loads(rows[2]["reward_detail"]) == {"score": 0.5, "arr": "{1, 2}", "7": "int key"}
