@@ -20,11 +20,21 @@ import importlib
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from infra.faults import ENV as FAULT_ENV
 
 PR_SET_PDEATHSIG = 1
+# ``python -c`` that sets PR_SET_PDEATHSIG (which survives exec), exits if its parent is gone
+# already, and becomes the command: for a program whose own start rlake cannot change
+DIE_WITH_PARENT_EXEC = ("import ctypes, os, signal, sys\n"
+                        "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGKILL)\n"
+                        "os.getppid() == int(sys.argv[1]) or os._exit(1)\n"
+                        "os.execvp(sys.argv[2], sys.argv[2:])\n")
+_launcher: tuple[int, ThreadPoolExecutor] | None = None  # (pid, its thread): launch_lasting
 # imported while waiting: the rollout side's own modules (torch, the model code, the lake)
 PRELOAD = ("infra.sides",)
 
@@ -37,6 +47,23 @@ def die_with_parent(parent_pid: int) -> None:
         pass
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+def dying_with_this_process(cmd: list[str]) -> list[str]:
+    """``cmd`` started so that the kernel SIGKILLs it when this process dies (a ``kill -9`` of
+    the run too). Start it with ``launch_lasting``: the signal follows the thread that started it."""
+    return [sys.executable, "-c", DIE_WITH_PARENT_EXEC, str(os.getpid()), *cmd]
+
+
+def launch_lasting(args: list[str], **popen_kwargs: Any) -> subprocess.Popen:
+    """``subprocess.Popen(args, **popen_kwargs)`` from one thread that lives as long as this
+    process: PR_SET_PDEATHSIG fires when the *thread* that started a child ends, not its process
+    (a reward worker started from a step's thread was killed when that thread ended: checked
+    2026-11-29). A forked child has no copy of that thread: it starts its own."""
+    global _launcher
+    if _launcher is None or _launcher[0] != os.getpid():
+        _launcher = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlake-launch"))
+    return _launcher[1].submit(subprocess.Popen, args, **popen_kwargs).result()
 
 
 class SpawnedProcess:

@@ -26,18 +26,16 @@ import sys
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import IO, Any
 
-from infra.spawned import die_with_parent
+from infra.spawned import die_with_parent, launch_lasting
 from rewards.concurrent import Outcome
 
 READY = "ready"
 START_TIMEOUT_S = 300.0  # a worker that cannot import the function in this time is a broken setup
 _HEADER = struct.Struct("<Q")
-_spawner: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor): see _spawn
 
 
 def send(stream: IO[bytes], message: Any) -> None:
@@ -61,18 +59,6 @@ def _read_exact(stream: IO[bytes], n: int) -> bytes:
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
-
-
-def _spawn(args: list[str]) -> subprocess.Popen:
-    """Start a worker process from one thread that lives as long as this process: the kernel's
-    PR_SET_PDEATHSIG fires when the *thread* that started a worker ends, not its process (a
-    worker started from a thread that then exited got SIGKILL, checked 2026-11-29), and scoring
-    may run on a step's thread. A forked child has no copy of that thread: it starts its own."""
-    global _spawner
-    if _spawner is None or _spawner[0] != os.getpid():
-        _spawner = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlake-reward-spawn"))
-    return _spawner[1].submit(subprocess.Popen, args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              bufsize=0).result()
 
 
 def _serve() -> None:
@@ -163,7 +149,9 @@ class RewardWorkers:
 
     def _start(self, wanted: int) -> None:
         while len(self.workers) < wanted:
-            process = _spawn([sys.executable, "-m", "rewards.workers", str(os.getpid())])
+            # from one lasting thread: each worker dies with this process (``_serve``)
+            process = launch_lasting([sys.executable, "-m", "rewards.workers", str(os.getpid())],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
             send(process.stdin, (list(sys.path), self.path, self.cfg))
             self.workers.append(_Worker(process, time.monotonic()))
 

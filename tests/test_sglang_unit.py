@@ -256,3 +256,47 @@ def test_a_server_is_killed_at_once_and_none_of_its_group_outlives_the_stop(tmp_
         server.stop()
     assert "TERM" not in log.read_text()
     assert group_members(server.pid) == []  # the child too (at most a zombie, if not reaped yet)
+
+
+OWNS_A_SERVER = """
+import os, sys, time
+from rollout.sglang.server import ManagedProcess
+proc = ManagedProcess([sys.executable, "-c", "import time; time.sleep(300)"], dict(os.environ),
+                      None, "sleeper")
+proc.start()
+print(proc.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_launched_server_dies_with_the_process_that_launched_it(tmp_path):
+    """In a session of its own, an SGLang server outlived a kill -9 of its run (seen: a server
+    left running by a killed test), holding its port and, on a GPU, its memory while the resumed
+    run started new ones."""
+    from tests.opshelp import ROOT
+
+    owner = subprocess.Popen([sys.executable, "-c", OWNS_A_SERVER], cwd=ROOT, stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        server = int(owner.stdout.readline())
+        deadline = time.monotonic() + 60
+        while "time.sleep(300)" not in Path(f"/proc/{server}/cmdline").read_bytes().decode(errors="replace"):
+            assert time.monotonic() < deadline, "the server never started"
+            time.sleep(0.05)  # until it has exec'd (its parent-death signal is set before)
+        assert os.getpgid(server) == server  # still a session of its own
+        owner.kill()
+        owner.wait(30)
+        deadline = time.monotonic() + 10
+        while running(server):
+            assert time.monotonic() < deadline, "the server outlived its owner"
+            time.sleep(0.05)
+    finally:
+        owner.kill()
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for its reaper is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False

@@ -23,6 +23,7 @@ import httpx
 from infra import ports
 from infra.ports import PORT_TAKEN
 from infra.recovery import stat_fields
+from infra.spawned import dying_with_this_process, launch_lasting
 
 log = logging.getLogger(__name__)
 
@@ -187,9 +188,13 @@ class ManagedProcess:
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self._log_start = out.tell() if out is not subprocess.DEVNULL else 0
         try:
-            self.proc = subprocess.Popen(
-                self.cmd, env={**self.env, "TMPDIR": self.tmp_dir}, stdout=out,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            # dying with this process: in a session of its own, a kill -9 of the run left the
+            # server (and on a GPU its memory) to the next run; its scheduler and detokenizer
+            # die with it (SGLang's own PR_SET_PDEATHSIG)
+            self.proc = launch_lasting(
+                dying_with_this_process(self.cmd), env={**self.env, "TMPDIR": self.tmp_dir},
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         finally:
             if out is not subprocess.DEVNULL:
