@@ -14,6 +14,7 @@ import ast
 import itertools
 import operator
 import random
+import re
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ def countdown_problems(lo: int = 1, hi: int = 9, max_target: int = 99) -> list[d
 
 
 _PARSE_LOCK = threading.Lock()
+_ARITHMETIC = re.compile(r"[0-9+\-*/() \t]*")
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv}
 
@@ -70,6 +72,10 @@ def evaluate_expression(text: str) -> tuple[Fraction, list[int]]:
     integer literals it uses. Raises ValueError for anything else (names, calls, powers, /0)."""
     if len(text) > 200:
         raise ValueError("expression too long")
+    if not _ARITHMETIC.fullmatch(text):
+        # only decimal digits: Python also reads 0o11, 0x9, 0b1001 and 1_0 as ints, so an answer
+        # could "use" 9 without writing it (review, 2026-11-29)
+        raise ValueError(f"not plain arithmetic: {text!r}")
     try:
         with _PARSE_LOCK:  # CPython 3.11's ast.parse is not thread-safe (recursion-depth SystemError)
             tree = ast.parse(text.strip(), mode="eval").body

@@ -87,23 +87,43 @@ class RolloutContext:
         samples, one by one) or the engine (batched, ``chunk_tokens`` at a time)."""
         if self.generate_fn is None:
             return generate_samples(self.engine, self.tokenizer, samples, self.sampling, self.chunk_tokens)
+        version = getattr(self.engine, "weight_version", None)
         for s in samples:
             if s.status == Status.PENDING:
+                if version is not None:  # the weights it generates with (the function may say)
+                    s.weight_version = version
                 out = call(self.generate_fn, self, s, self.sampling)
                 if not isinstance(out, Sample):
                     raise TypeError(f"custom_generate_function_path returned {type(out).__name__}, "
                                     "expected a Sample")
                 if out is not s:  # in place: callers hold the sample in their groups
                     s.__dict__.update(out.__dict__)
-                if s.status == Status.PENDING:
-                    raise ValueError("custom_generate_function_path returned a sample still "
-                                     "'pending': set its status (completed, truncated, aborted)")
+                check_generated(s, self.sampling.max_new_tokens)
         return samples
 
     def score(self, samples: list[Sample]) -> int:
         """Score the samples that have no reward yet; returns the number that failed."""
         todo = [s for s in samples if s.reward is None]
         return score_samples(todo, self.scorer) if todo else 0
+
+
+def check_generated(sample: Sample, max_new_tokens: int) -> None:
+    """What a custom generate function must give back (docs/rollout.md): a status other than
+    pending, ``rollout_log_probs`` and ``loss_mask`` one per response token, a response within
+    the budget. Each was taken as it came: a mask longer than the response was trained on, empty
+    log-probs read as a train/rollout log-prob difference of 0 (review, 2026-11-29)."""
+    key = "custom_generate_function_path"
+    if sample.status == Status.PENDING:
+        raise ValueError(f"{key} returned a sample still 'pending': set its status (completed, "
+                         "truncated, aborted)")
+    n = len(sample.response_token_ids)
+    for name in ("rollout_log_probs", "loss_mask"):
+        if len(getattr(sample, name)) != n:
+            raise ValueError(f"{key} returned a sample with {len(getattr(sample, name))} {name} "
+                             f"for {n} response tokens: one per response token")
+    if n > max_new_tokens:
+        raise ValueError(f"{key} returned {n} response tokens, over the budget of {max_new_tokens} "
+                         "(sampling.max_new_tokens, the whole response's)")
 
 
 def group_samples(samples: list[Sample]) -> list[list[Sample]]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +34,12 @@ def load_function(path: str, n_params: int | None = None, what: str = "function"
         module_name, attr = path.rsplit(".", 1)
     else:
         raise ValueError(f"{what} '{path}' must look like 'package.module:function'")
+    if os.getcwd() not in sys.path:
+        # the folder rlake runs in, as `python -m` would have it, but last: a file there named
+        # like one of rlake's packages (rewards.py) must not replace it. Without it a function
+        # beside the config, or the documented `rlake run examples/calculator_tool/config.yaml`,
+        # was "No module named ..." (review, 2026-11-29); reward workers get this sys.path
+        sys.path.append(os.getcwd())
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except Exception as err:  # noqa: BLE001 - any failure at import (SyntaxError, a raise) is a config error

@@ -295,3 +295,24 @@ def test_ctrl_c_in_a_terminal_is_an_interrupt_and_resume_finishes(tmp_path, mode
         "SELECT count(*) AS n, count(DISTINCT sample_uid) AS uids, count(DISTINCT iteration) AS "
         "batches FROM trajectories WHERE kind = 'train'").to_pylist()
     assert samples["n"] == samples["uids"] and samples["batches"] == 20, samples
+
+
+def test_the_calculator_example_runs_as_its_config_says(tmp_path):
+    """`rlake run examples/calculator_tool/config.yaml` (the console script, no PYTHONPATH) was
+    "No module named 'examples'": a function path is now also looked up in the folder rlake runs
+    in. Its custom generate function's samples carry the engine's weight version (they were all
+    version 0, and the second iteration's slice was empty: review, 2026-11-29)."""
+    script = Path(sys.executable).parent / "rlake"
+    env = {k: v for k, v in cli_env(None, COLUMNS="200").items() if k != "PYTHONPATH"}
+    log = tmp_path / "calc.log"
+    with open(log, "w") as out:
+        proc = subprocess.run([str(script), "run", "examples/calculator_tool/config.yaml",
+                               "--set", f"home={tmp_path / 'home'}", "--run-id", "calc",
+                               "--set", "num_rollout=2", "--set", "eval.eval_interval=100"],
+                              cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600)
+    assert proc.returncode == 0, tail(log)
+    from buffer import Lake
+
+    rows = Lake(str(tmp_path / "home" / "lake")).read("trajectories", run_id="calc").to_pylist()
+    versions = {(r["iteration"], r["weight_version"]) for r in rows if r["kind"] == "train"}
+    assert versions == {(0, 0), (1, 1)}, versions

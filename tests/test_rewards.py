@@ -495,3 +495,15 @@ def test_a_reward_dict_json_cannot_hold_fails_only_its_sample():
     assert samples[1].reward_detail["error"].startswith("ValueError: reward dict cannot be stored as JSON")
     rows = [s.to_row("r", 0, "torch") for s in samples]
     assert json.loads(rows[2]["reward_detail"]) == {"score": 0.5, "arr": "{1, 2}", "7": "int key"}
+
+
+def test_countdown_takes_only_decimal_numbers():
+    """Python also reads 0o11, 0x9, 0b1001 and 1_0 as ints: an answer scored 1.0 while
+    "using" a 9 it never wrote (review, 2026-11-29)."""
+    from rewards.tasks import countdown_reward
+
+    meta = {"numbers": [1, 8, 9], "target": 72}
+    assert countdown_reward("1*8*9", None, meta) == 1.0 == countdown_reward(" (9*8) / 1 ", None, meta)
+    for hack in ("1*8*0o11", "0x1*8*9", "0b1*8*9", "1*8*9.0", "1*8*9e0"):
+        assert countdown_reward(hack, None, meta) == 0.0, hack
+    assert countdown_reward("1_0*5/2", None, {"numbers": [10, 5, 2], "target": 25}) == 0.0
