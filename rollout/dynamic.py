@@ -26,6 +26,20 @@ from rollout.partial import abort_group, load_partial_groups, reopen
 from rollout.sample import Sample, Status
 
 MAX_ROUNDS = 8
+FILTER_KEY = "rollout.dynamic_sampling_filter_path"
+DEFAULT_FILTER = "rollout.filters:check_reward_nonzero_std"
+
+
+def filter_label(cfg) -> str:
+    """The dynamic sampling filter in words, for errors: its config key and function (the
+    default one says why it is on when the key is unset)."""
+    r = cfg.rollout
+    path = r.dynamic_sampling_filter_path
+    if path is None and r.over_sampling_batch_size is not None:
+        return f"{FILTER_KEY} (unset: {DEFAULT_FILTER}, as rollout.over_sampling_batch_size is set)"
+    if path == "default":
+        return f"{FILTER_KEY} 'default' ({DEFAULT_FILTER})"
+    return f"{FILTER_KEY} '{path}'"
 
 
 def group_finished(group: list[Sample]) -> bool:
@@ -68,7 +82,8 @@ def default_rollout(ctx: RolloutContext, iteration: int,
     kept = kept[:target]
     if not kept:
         raise RuntimeError(f"dynamic sampling kept no group in {rounds} rounds of {round_size} "
-                           f"prompts ({len(filtered)} filtered): check the filter and rewards")
+                           f"prompts ({len(filtered)} filtered by {filter_label(ctx.cfg)}): "
+                           "check the filter and the rewards")
     stats = {"rollout/groups_kept": float(len(kept)), "rollout/groups_filtered": float(len(filtered)),
              "rollout/groups_aborted": float(len(aborted)), "rollout/groups_resumed": float(resumed),
              "rollout/rounds": float(rounds), "rollout/reward_failed_in_filter": float(failed),

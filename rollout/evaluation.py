@@ -70,10 +70,35 @@ def default_eval_rollout(ctx: RolloutContext, eval_set: EvalSet) -> list[list[Sa
     return group_samples(samples)
 
 
+EVAL_KEY = "eval.eval_function_path"
+
+
+def eval_fn_groups(out: object, path: str | None, eval_set: EvalSet) -> list[list[Sample]]:
+    """The groups an ``eval_function_path`` function returned, checked: a list of groups (lists
+    of Sample), at least one. Unchecked, None failed as "'NoneType' object is not iterable" and
+    no groups as "division by zero" in the metrics (review, 2026-11-29)."""
+    where = f"{EVAL_KEY} '{path}' returned"
+    expected = f"expected a list of groups (lists of Sample), one per prompt of eval set '{eval_set.name}'"
+    if not isinstance(out, list | tuple):
+        raise TypeError(f"{where} {type(out).__name__}: {expected}")
+    if not out:
+        raise ValueError(f"{where} no groups: {expected}")
+    for g in out:
+        if isinstance(g, Sample):
+            raise TypeError(f"{where} a flat list of Sample: {expected}")
+        if not isinstance(g, list | tuple) or not all(isinstance(s, Sample) for s in g):
+            raise TypeError(f"{where} a group that is not a list of Sample: {expected}")
+    return [list(g) for g in out]
+
+
 def run_eval_set(ctx: RolloutContext, eval_set: EvalSet, eval_fn=None) -> list[list[Sample]]:
     """Generate + score one eval set; every group has ``n_samples`` samples."""
     ctx = replace(ctx, sampling=eval_set.sampling, scorer=eval_set.scorer)
-    groups = [list(g) for g in (call(eval_fn, ctx, eval_set) if eval_fn else default_eval_rollout(ctx, eval_set))]
+    if eval_fn is None:
+        groups = default_eval_rollout(ctx, eval_set)
+    else:
+        path = ctx.cfg.eval.eval_function_path or getattr(eval_fn, "__qualname__", repr(eval_fn))
+        groups = eval_fn_groups(call(eval_fn, ctx, eval_set), path, eval_set)
     for g in groups:
         if len(g) != eval_set.n_samples:
             raise ValueError(f"eval set '{eval_set.name}': a group has {len(g)} samples, "

@@ -12,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rollout.context import RolloutContext, RolloutOutput, renumber
-from rollout.dynamic import default_rollout
+from rollout.dynamic import default_rollout, filter_label
 from rollout.filters import check_reward_nonzero_std
 from rollout.functions import call, load_configured
-from rollout.sample import Sample
+from rollout.sample import Sample, Status
+
+ROLLOUT_KEY = "rollout.rollout_function_path"
 
 
 def resolve_filter(cfg) -> Callable[[list[Sample]], bool] | None:
@@ -27,7 +29,50 @@ def resolve_filter(cfg) -> Callable[[list[Sample]], bool] | None:
         return None
     else:
         fn = load_configured("dynamic_sampling_filter_path", path)
-    return lambda group: bool(call(fn, cfg, group))
+    return named_filter(fn, cfg)
+
+
+def named_filter(fn: Callable, cfg) -> Callable[[list[Sample]], bool]:
+    """``fn`` as the rollout calls it: an error it raises names the config key and the function
+    (a bare "boom in filter" did not say which user function failed; review, 2026-11-29)."""
+    label = filter_label(cfg)
+
+    def keep(group: list[Sample]) -> bool:
+        try:
+            return bool(call(fn, cfg, group))
+        except Exception as err:
+            raise RuntimeError(f"{label} raised {type(err).__name__}: {err}") from err
+
+    return keep
+
+
+def rollout_groups(out: object, path: str) -> list[list[Sample]]:
+    """The groups a ``rollout_function_path`` function returned (a RolloutOutput's, or a list
+    of groups), checked: at least one group, each a non-empty list of generated Samples. Unchecked,
+    a flat list or None failed inside ``list(g)``, no groups inside a metric's mean, and
+    never-generated samples were committed as train rows (review, 2026-11-29)."""
+    where = f"{ROLLOUT_KEY} '{path}' returned"
+    expected = "expected a RolloutOutput or a list of groups (lists of Sample)"
+    groups = out.groups if isinstance(out, RolloutOutput) else out
+    if not isinstance(groups, list | tuple):
+        raise TypeError(f"{where} {type(groups).__name__}: {expected}")
+    for g in groups:
+        if isinstance(g, Sample):
+            raise TypeError(f"{where} a flat list of Sample: {expected}, one group per prompt")
+        if not isinstance(g, list | tuple):
+            raise TypeError(f"{where} a group of type {type(g).__name__}: {expected}")
+        for s in g:
+            if not isinstance(s, Sample):
+                raise TypeError(f"{where} a group holding a {type(s).__name__}: {expected}")
+    if not groups or not all(groups):
+        raise ValueError(f"{where} {'no groups' if not groups else 'an empty group'}: "
+                         "expected at least one group of at least one Sample")
+    pending = sum(s.status == Status.PENDING for g in groups for s in g)
+    if pending:
+        total = sum(len(g) for g in groups)
+        raise ValueError(f"{where} {pending} of {total} samples still 'pending' (never generated): "
+                         "generate them with ctx.generate(samples) before returning them")
+    return [list(g) for g in groups]
 
 
 class Rollout:
@@ -47,11 +92,8 @@ class Rollout:
             return default_rollout(ctx, iteration, keep=self.keep)
         start = ctx.data_position
         out = call(self.rollout_fn, ctx, iteration)
+        groups = rollout_groups(out, self.cfg.rollout.rollout_function_path)
         if not isinstance(out, RolloutOutput):
-            groups = [list(g) for g in out]
-            if not groups or not all(isinstance(s, Sample) for g in groups for s in g):
-                raise TypeError("rollout_function_path must return a RolloutOutput or a non-empty "
-                                "list of groups (lists of Sample)")
             out = RolloutOutput(groups=renumber(groups))
         out.stats.setdefault("rollout/prompts_drawn", float(ctx.data_position - start))
         out.stats["rollout/data_position_end"] = float(ctx.data_position)

@@ -89,3 +89,29 @@ def test_eval_function_path_and_errors(tiny):
         load_config(None, ["eval.datasets=[{name: a}, {name: a}]"])
     with pytest.raises(ValueError, match="unknown rm_type 'zz'"):
         build_eval_sets(load_config(None, ["eval.datasets=[{name: held_out, rm_type: zz}]"]), HELD, "x")
+
+
+def eval_none(ctx, eval_set):
+    return None
+
+
+def eval_no_groups(ctx, eval_set):
+    return []
+
+
+def eval_flat(ctx, eval_set):
+    return [s for g in echo_eval(ctx, eval_set) for s in g]
+
+
+@pytest.mark.parametrize("fn, error, message", [
+    ("eval_none", TypeError, "returned NoneType: expected a list of groups"),
+    ("eval_no_groups", ValueError, "returned no groups: expected a list of groups"),
+    ("eval_flat", TypeError, "returned a flat list of Sample"),
+])
+def test_eval_function_bad_return_names_the_key(tiny, fn, error, message):
+    """None, [] or a flat list from eval.eval_function_path: one error naming the key and the
+    function (review, 2026-11-29: "'NoneType' object is not iterable", "division by zero")."""
+    cfg = load_config(None, [f"eval.eval_function_path=tests.test_eval:{fn}", "rollout.rm_type=exact"])
+    (held,) = build_eval_sets(cfg, HELD, "builtin:addition")
+    with pytest.raises(error, match=f"^eval.eval_function_path 'tests.test_eval:{fn}' {message}"):
+        run_eval_set(_ctx(tiny, cfg), held, eval_fn=globals()[fn])

@@ -205,3 +205,81 @@ def test_custom_rollout_function_advances_position(tiny):
     assert len(out.groups) == 3 and ctx.data_position == 3
     assert out.stats["rollout/data_position_end"] == 3
     assert all(s.status != Status.PENDING for s in out.samples)
+
+
+def rollout_none(ctx, iteration):
+    return None
+
+
+def rollout_flat(ctx, iteration):
+    groups = ctx.take_groups(2)
+    samples = [s for g in groups for s in g]
+    ctx.generate(samples)
+    return samples
+
+
+def rollout_no_groups(ctx, iteration):
+    from rollout.context import RolloutOutput
+
+    return RolloutOutput(groups=[])
+
+
+def rollout_ungenerated(ctx, iteration):
+    return ctx.take_groups(2)
+
+
+@pytest.mark.parametrize("fn, error, message", [
+    ("rollout_none", TypeError, "returned NoneType: expected a RolloutOutput or a list of groups"),
+    ("rollout_flat", TypeError, "returned a flat list of Sample"),
+    ("rollout_no_groups", ValueError, "returned no groups"),
+    ("rollout_ungenerated", ValueError, r"returned 6 of 6 samples still 'pending' \(never generated\)"),
+])
+def test_rollout_function_bad_return_names_the_key(tiny, fn, error, message):
+    """A wrong type, no groups, or samples never generated is one error naming the key and the
+    function, before anything is committed (review, 2026-11-29: cryptic errors, or pending
+    samples committed as train rows)."""
+    ctx = _ctx(tiny, [f"rollout.rollout_function_path=tests.test_rollout:{fn}"])
+    with pytest.raises(error, match=f"^rollout.rollout_function_path 'tests.test_rollout:{fn}' {message}"):
+        Rollout(ctx.cfg)(ctx, 0)
+
+
+def filter_raises(cfg, group):
+    raise RuntimeError("boom in filter")
+
+
+def test_dynamic_sampling_filter_errors_name_the_filter(tiny):
+    """Nothing kept, or the filter raising: the error names rollout.dynamic_sampling_filter_path
+    and the function (docs/rollout.md: "an error naming the filter")."""
+    opts = ["rollout.rollout_batch_size=2", "rollout.over_sampling_batch_size=2"]
+    ctx = _ctx(tiny, [*opts, "rollout.dynamic_sampling_filter_path=tests.test_rollout:reject_all"])
+    with pytest.raises(RuntimeError, match=r"kept no group in 8 rounds of 2 prompts \(16 filtered by "
+                                           r"rollout.dynamic_sampling_filter_path "
+                                           r"'tests.test_rollout:reject_all'\)"):
+        Rollout(ctx.cfg)(ctx, 0)
+    ctx = _ctx(tiny, [*opts, "rollout.dynamic_sampling_filter_path=tests.test_rollout:filter_raises"])
+    with pytest.raises(RuntimeError, match="^rollout.dynamic_sampling_filter_path "
+                                           "'tests.test_rollout:filter_raises' raised RuntimeError: "
+                                           "boom in filter$"):
+        Rollout(ctx.cfg)(ctx, 0)
+
+
+def test_calculator_lone_close_brackets_use_the_whole_budget(tiny):
+    """examples/calculator_tool: a lone "]" is no tool call, so it does not count against
+    max_turns; a model that only writes "]" runs to the token budget (it stopped after
+    max_turns + 1 = 5 tokens of 12, recorded truncated; review, 2026-11-29)."""
+    path, tok = tiny
+    ctx = _ctx(tiny, ["rollout.custom_generate_function_path=examples.calculator_tool.generate:generate"],
+               max_new=12)
+    ctx.sampling = SamplingParams(max_new_tokens=12, temperature=0.0)
+    close_id, eq_id = tok.convert_tokens_to_ids("]"), tok.convert_tokens_to_ids("=")
+    weights = {k: v.clone() for k, v in ctx.engine.model.state_dict().items() if k != "lm_head.weight"}
+    emb = weights["model.embed_tokens.weight"]
+    emb[close_id] = 2 * emb[eq_id]  # tied head: greedy "]" after every context ("=" was greedy)
+    ctx.engine.load_state_dict(weights, weight_version=0)
+    ctx.generate_fn = Rollout(ctx.cfg).generate_fn
+    samples = [s for g in ctx.take_groups(2) for s in g]
+    ctx.generate(samples)
+    for s in samples:
+        assert s.response_token_ids == [close_id] * 12, s.response
+        assert s.loss_mask == [1] * 12 and s.metadata["tool_calls"] == 0
+        assert s.status == Status.TRUNCATED and s.finish_reason == "length"

@@ -45,17 +45,21 @@ def tool_call(text: str) -> str | None:
 
 
 def generate(ctx, sample: Sample, sampling: SamplingParams) -> Sample:
+    """Model turns stopped at ``]``; each ``[expr]`` is a tool call, answered by the calculator.
+    Only calls count against ``max_turns``: a lone ``]`` is text, and the model goes on (when
+    it counted as a turn, ``]]]]]`` ended a response at 5 tokens of a 24-token budget, recorded
+    truncated; review, 2026-11-29). The response ends at EOS, at the budget, or at a call
+    beyond ``max_turns`` (not run: truncated)."""
     tok = ctx.tokenizer
     close_id = tok.convert_tokens_to_ids(CLOSE)
     budget = sampling.max_new_tokens
+    max_calls = int(sample.metadata.get("max_turns", MAX_TURNS))
     turns, ids, versions = [], [], []
     finish, status = "length", Status.TRUNCATED
-    for _ in range(int(sample.metadata.get("max_turns", MAX_TURNS)) + 1):
-        left = budget - len(ids)
-        if left <= 0:
-            break
+    calls = 0
+    while len(ids) < budget:
         res = ctx.engine.generate([sample.prompt_token_ids + ids],
-                                  replace(sampling, max_new_tokens=left, seed=None,
+                                  replace(sampling, max_new_tokens=budget - len(ids), seed=None,
                                           stop_token_ids=(*sampling.stop_token_ids, close_id)))[0]
         versions.append(ctx.engine.weight_version)
         turns.append(model_turn(res.token_ids, res.logprobs))
@@ -67,12 +71,14 @@ def generate(ctx, sample: Sample, sampling: SamplingParams) -> Sample:
         expr = tool_call(tok.decode(res.token_ids, skip_special_tokens=True))
         if expr is None:  # a lone "]": no call, the model goes on
             continue
+        if calls == max_calls:  # out of turns: the call is left unanswered
+            break
+        calls += 1
         output = tok(calculator(expr), add_special_tokens=False)["input_ids"][:budget - len(ids)]
         turns.append(tool_turn(output))
         ids += output
     token_ids, logprobs, mask = assemble_turns(turns)
-    n_calls = sum(not t.from_model for t in turns)
     return replace(sample, response_token_ids=token_ids, rollout_log_probs=logprobs, loss_mask=mask,
                    response=decode_response(tok, token_ids), finish_reason=finish, status=status,
                    weight_version=ctx.engine.weight_version, weight_versions=versions,
-                   metadata={**sample.metadata, "tool_calls": n_calls})
+                   metadata={**sample.metadata, "tool_calls": calls})
