@@ -126,6 +126,25 @@ def check_generated(sample: Sample, max_new_tokens: int) -> None:
                          "(sampling.max_new_tokens, the whole response's)")
 
 
+def checked_groups(groups: object, where: str, expected: str) -> list[list[Sample]]:
+    """What a user function returned as groups (``where``: "KEY 'path' returned"), checked: a
+    list of lists of Sample, at least one group. Unchecked, None or a flat list failed inside
+    ``list(g)`` and no groups as "division by zero" in a metric (review, 2026-11-29)."""
+    if not isinstance(groups, list | tuple):
+        raise TypeError(f"{where} {type(groups).__name__}: {expected}")
+    for g in groups:
+        if isinstance(g, Sample):
+            raise TypeError(f"{where} a flat list of Sample: {expected}, one group per prompt")
+        if not isinstance(g, list | tuple):
+            raise TypeError(f"{where} a group of type {type(g).__name__}: {expected}")
+        for s in g:
+            if not isinstance(s, Sample):
+                raise TypeError(f"{where} a group holding a {type(s).__name__}: {expected}")
+    if not groups:
+        raise ValueError(f"{where} no groups: {expected}")
+    return [list(g) for g in groups]
+
+
 def group_samples(samples: list[Sample]) -> list[list[Sample]]:
     """Consecutive samples sharing a group_index -> one list per group, in order."""
     groups: list[list[Sample]] = []

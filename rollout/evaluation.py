@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rewards.registry import Scorer
-from rollout.context import RolloutContext, group_samples
+from rollout.context import RolloutContext, checked_groups, group_samples
 from rollout.data import load_prompt_file
 from rollout.engine import SamplingParams
 from rollout.functions import call
@@ -74,21 +74,9 @@ EVAL_KEY = "eval.eval_function_path"
 
 
 def eval_fn_groups(out: object, path: str | None, eval_set: EvalSet) -> list[list[Sample]]:
-    """The groups an ``eval_function_path`` function returned, checked: a list of groups (lists
-    of Sample), at least one. Unchecked, None failed as "'NoneType' object is not iterable" and
-    no groups as "division by zero" in the metrics (review, 2026-11-29)."""
-    where = f"{EVAL_KEY} '{path}' returned"
-    expected = f"expected a list of groups (lists of Sample), one per prompt of eval set '{eval_set.name}'"
-    if not isinstance(out, list | tuple):
-        raise TypeError(f"{where} {type(out).__name__}: {expected}")
-    if not out:
-        raise ValueError(f"{where} no groups: {expected}")
-    for g in out:
-        if isinstance(g, Sample):
-            raise TypeError(f"{where} a flat list of Sample: {expected}")
-        if not isinstance(g, list | tuple) or not all(isinstance(s, Sample) for s in g):
-            raise TypeError(f"{where} a group that is not a list of Sample: {expected}")
-    return [list(g) for g in out]
+    """The groups an ``eval_function_path`` function returned, checked (``checked_groups``)."""
+    return checked_groups(out, f"{EVAL_KEY} '{path}' returned", "expected a list of groups "
+                          f"(lists of Sample), one per prompt of eval set '{eval_set.name}'")
 
 
 def run_eval_set(ctx: RolloutContext, eval_set: EvalSet, eval_fn=None) -> list[list[Sample]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rollout.context import RolloutContext, RolloutOutput, renumber
+from rollout.context import RolloutContext, RolloutOutput, checked_groups, renumber
 from rollout.dynamic import default_rollout, filter_label
 from rollout.filters import check_reward_nonzero_std
 from rollout.functions import call, load_configured
@@ -48,31 +48,19 @@ def named_filter(fn: Callable, cfg) -> Callable[[list[Sample]], bool]:
 
 def rollout_groups(out: object, path: str) -> list[list[Sample]]:
     """The groups a ``rollout_function_path`` function returned (a RolloutOutput's, or a list
-    of groups), checked: at least one group, each a non-empty list of generated Samples. Unchecked,
-    a flat list or None failed inside ``list(g)``, no groups inside a metric's mean, and
-    never-generated samples were committed as train rows (review, 2026-11-29)."""
+    of groups), checked (``checked_groups``), each non-empty and generated: never-generated
+    samples were committed as train rows (review, 2026-11-29)."""
     where = f"{ROLLOUT_KEY} '{path}' returned"
-    expected = "expected a RolloutOutput or a list of groups (lists of Sample)"
-    groups = out.groups if isinstance(out, RolloutOutput) else out
-    if not isinstance(groups, list | tuple):
-        raise TypeError(f"{where} {type(groups).__name__}: {expected}")
-    for g in groups:
-        if isinstance(g, Sample):
-            raise TypeError(f"{where} a flat list of Sample: {expected}, one group per prompt")
-        if not isinstance(g, list | tuple):
-            raise TypeError(f"{where} a group of type {type(g).__name__}: {expected}")
-        for s in g:
-            if not isinstance(s, Sample):
-                raise TypeError(f"{where} a group holding a {type(s).__name__}: {expected}")
-    if not groups or not all(groups):
-        raise ValueError(f"{where} {'no groups' if not groups else 'an empty group'}: "
-                         "expected at least one group of at least one Sample")
+    groups = checked_groups(out.groups if isinstance(out, RolloutOutput) else out, where,
+                            "expected a RolloutOutput or a list of groups (lists of Sample)")
+    if not all(groups):
+        raise ValueError(f"{where} an empty group: expected at least one group of at least one Sample")
     pending = sum(s.status == Status.PENDING for g in groups for s in g)
     if pending:
         total = sum(len(g) for g in groups)
         raise ValueError(f"{where} {pending} of {total} samples still 'pending' (never generated): "
                          "generate them with ctx.generate(samples) before returning them")
-    return [list(g) for g in groups]
+    return groups
 
 
 class Rollout:
