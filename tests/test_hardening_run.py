@@ -259,6 +259,11 @@ def test_tracker_batches_in_background_and_flushes(tmp_path):
     assert again.start("t", params={}, tags={"rlake.run_id": "t"}) == run_id
 
 
+# enough that the run is still going when the signal comes: with 20 (0.16 s each) a CI run
+# finished before it, its output's "eval after iteration 1" seen late (2026-11-29)
+CTRL_C_ITERATIONS = 80
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_ctrl_c_in_a_terminal_is_an_interrupt_and_resume_finishes(tmp_path, mode):
     """A terminal's Ctrl-C goes to the whole foreground process group: it stopped the embedded
@@ -267,7 +272,7 @@ def test_ctrl_c_in_a_terminal_is_an_interrupt_and_resume_finishes(tmp_path, mode
     process as well."""
     home, log = tmp_path / "home", tmp_path / "run.log"
     args = ["run", "--set", f"home={home}", "--set", "run_id=ctrlc", *NO_SFT,
-            "--set", "num_rollout=20", "--set", "eval.eval_interval=1", "--set", f"mode={mode}",
+            "--set", f"num_rollout={CTRL_C_ITERATIONS}", "--set", "eval.eval_interval=1", "--set", f"mode={mode}",
             "--set", f"trainer.max_staleness={int(mode == 'async')}"]
     with open(log, "w") as out:  # a session of its own: the group gets the signal, as from a tty
         proc = subprocess.Popen([sys.executable, "-m", "infra.cli", *args], cwd=ROOT, stdout=out,
@@ -289,12 +294,12 @@ def test_ctrl_c_in_a_terminal_is_an_interrupt_and_resume_finishes(tmp_path, mode
 
     lake = Lake(str(home / "lake"))
     steps = lake.sql("SELECT iteration, count(*) AS n FROM train_steps GROUP BY 1 ORDER BY 1")
-    assert steps.column("iteration").to_pylist() == list(range(20))
+    assert steps.column("iteration").to_pylist() == list(range(CTRL_C_ITERATIONS))
     assert set(steps.column("n").to_pylist()) == {1}
     (samples,) = lake.sql(
         "SELECT count(*) AS n, count(DISTINCT sample_uid) AS uids, count(DISTINCT iteration) AS "
         "batches FROM trajectories WHERE kind = 'train'").to_pylist()
-    assert samples["n"] == samples["uids"] and samples["batches"] == 20, samples
+    assert samples["n"] == samples["uids"] and samples["batches"] == CTRL_C_ITERATIONS, samples
 
 
 def test_the_calculator_example_runs_as_its_config_says(tmp_path):
