@@ -96,7 +96,6 @@ def check_row_rewards(records: list[dict], source: str, rm_url: str | None) -> N
     """A row's ``metadata.rm_type`` (which scores it instead of the run's reward) names a
     reward rlake knows: an unknown one failed each of its samples, every iteration, with one
     warning for the run (review, 2026-11-29)."""
-    from rewards.registry import resolve_rm_type
     from rollout.data import locate
 
     known: set[str] = set()
@@ -104,11 +103,18 @@ def check_row_rewards(records: list[dict], source: str, rm_url: str | None) -> N
         name = (rec.get("metadata") or {}).get("rm_type")
         if not name or name in known:
             continue
-        try:
-            resolve_rm_type(str(name), rm_url)
-        except ValueError as e:
-            raise StartupError(f"{locate(source, rec.get('row', i))}: metadata rm_type: {e}") from None
+        _known_reward(str(name), rm_url, f"{locate(source, rec.get('row', i))}: metadata rm_type")
         known.add(name)
+
+
+def _known_reward(name: str, rm_url: str | None, where: str) -> None:
+    """``name`` is a reward rlake knows; else a StartupError starting with ``where``."""
+    from rewards.registry import resolve_rm_type
+
+    try:
+        resolve_rm_type(name, rm_url)
+    except ValueError as e:
+        raise StartupError(f"{where}: {e}") from None
 
 
 def check(cfg: RunConfig) -> None:
@@ -159,18 +165,13 @@ def unreadable_model_file(folder: str | Path) -> str | None:
 def check_reward_names(cfg: RunConfig) -> None:
     """Each ``rm_type`` the run scores with is one rlake knows (an eval set's was found only
     after the run was recorded, without its key). A ``custom_rm_path`` scores every set."""
-    from rewards.registry import resolve_rm_type
-
     if cfg.rollout.custom_rm_path:
         return
     names = [("rollout.rm_type", cfg.rollout.rm_type)]
     names += [(f"eval.datasets.{i}.rm_type (dataset '{ds.name}')", ds.rm_type)
               for i, ds in enumerate(cfg.eval.datasets) if ds.rm_type]
     for key, name in names:
-        try:
-            resolve_rm_type(name, cfg.rollout.rm_url)
-        except ValueError as e:
-            raise StartupError(f"{key}: {e}") from None
+        _known_reward(name, cfg.rollout.rm_url, key)
 
 
 def open_lake(cfg: RunConfig):
