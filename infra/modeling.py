@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import shutil
@@ -182,6 +183,7 @@ def load_model(path: str | Path, device: str = "cpu", dtype: str = "fp32") -> to
     and names, bit for bit, without importing transformers)."""
     raw = own_model_config(path, device)
     if raw is not None:
+        raw = {k: 0.0 if _is_dropout(k, v) else v for k, v in raw.items()}  # without_dropout's why
         return qwen2.Qwen2ForCausalLM.from_pretrained(path, DTYPES[dtype], raw)
     return load_transformers_model(path, device, dtype)
 
@@ -190,16 +192,34 @@ def load_transformers_model(path: str | Path, device: str = "cpu", dtype: str = 
                             ) -> torch.nn.Module:
     """transformers' own model class for the folder (``generate``, ``labels``: the benches'
     yardsticks), eager attention on CPU and SDPA on CUDA."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype],
+    config = without_dropout(AutoConfig.from_pretrained(str(path)))
+    model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=DTYPES[dtype],
                                                  attn_implementation=attention_for(device))
     return model.to(device)
+
+
+def without_dropout(config):
+    """``config`` (an HF config) with every dropout probability set to 0, as slime and verl
+    load a policy: the trainer runs its forwards in train mode, so a model whose config has
+    dropout (``attention_dropout: 0.3``) gave the old-log-prob pass, the grad pass and the
+    engine (eval mode) three different policies, and the PPO ratio was noise around 1 before
+    any update (review, 2026-11-29). infra.qwen2's model has no dropout."""
+    for key, value in config.to_dict().items():
+        if _is_dropout(key, value):
+            setattr(config, key, 0.0)
+    return config
+
+
+def _is_dropout(key: str, value: object) -> bool:
+    return ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) and value > 0
 
 
 def base_model_from_config(config, device: str = "cpu") -> torch.nn.Module:
     """An untrained fp32 decoder (no output head) of ``config``'s shape on ``device``: a
     critic's backbone, loaded afterwards. ``config`` is a policy's: infra.qwen2's or HF's."""
+    config = without_dropout(copy.deepcopy(config))
     if isinstance(config, qwen2.ModelConfig):
         return qwen2.Qwen2Model(config).to(device)
     from transformers import AutoModel

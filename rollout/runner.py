@@ -46,15 +46,22 @@ def named_filter(fn: Callable, cfg) -> Callable[[list[Sample]], bool]:
     return keep
 
 
-def rollout_groups(out: object, path: str) -> list[list[Sample]]:
+def rollout_groups(out: object, path: str, n_samples_per_prompt: int) -> list[list[Sample]]:
     """The groups a ``rollout_function_path`` function returned (a RolloutOutput's, or a list
-    of groups), checked (``checked_groups``), each non-empty and generated: never-generated
-    samples were committed as train rows (review, 2026-11-29)."""
+    of groups), checked (``checked_groups``), each of ``n_samples_per_prompt`` generated
+    samples: never-generated samples were committed as train rows, and uneven groups were
+    trained as groups of n across prompts (review, 2026-11-29)."""
     where = f"{ROLLOUT_KEY} '{path}' returned"
     groups = checked_groups(out.groups if isinstance(out, RolloutOutput) else out, where,
                             "expected a RolloutOutput or a list of groups (lists of Sample)")
     if not all(groups):
         raise ValueError(f"{where} an empty group: expected at least one group of at least one Sample")
+    uneven = [(i, len(g)) for i, g in enumerate(groups) if len(g) != n_samples_per_prompt]
+    if uneven:
+        i, size = uneven[0]
+        raise ValueError(f"{where} a group of {size} samples (group {i}, {len(uneven)} uneven in all): "
+                         f"every group holds rollout.n_samples_per_prompt = {n_samples_per_prompt} "
+                         "samples (advantages are normalised within a group)")
     pending = sum(s.status == Status.PENDING for g in groups for s in g)
     if pending:
         total = sum(len(g) for g in groups)
@@ -80,7 +87,8 @@ class Rollout:
             return default_rollout(ctx, iteration, keep=self.keep)
         start = ctx.data_position
         out = call(self.rollout_fn, ctx, iteration)
-        groups = rollout_groups(out, self.cfg.rollout.rollout_function_path)
+        groups = rollout_groups(out, self.cfg.rollout.rollout_function_path,
+                                self.cfg.rollout.n_samples_per_prompt)
         if not isinstance(out, RolloutOutput):
             out = RolloutOutput(groups=renumber(groups))
         out.stats.setdefault("rollout/prompts_drawn", float(ctx.data_position - start))

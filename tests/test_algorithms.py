@@ -44,6 +44,17 @@ def test_low_var_kl_clamped_but_k3_not():
     close(alg.compute_approx_kl(lp, ref, "k1"), [[-20.0, 30.0]])
 
 
+def test_low_var_kl_gradient_stays_finite_where_exp_overflows():
+    """exp(-d) overflowed float32 past d = -88.7: the clamp's gradient was 0 * inf = NaN, at a
+    masked-out position too (review, 2026-11-29)."""
+    for d0 in (-50.0, -90.0, -1000.0):
+        lp = torch.tensor([[d0, -1.0]], requires_grad=True)
+        kl = alg.compute_approx_kl(lp, torch.zeros(1, 2), "low_var_kl")
+        alg.aggregate_loss(kl, t([[0.0, 1.0]])).backward()
+        close(kl.detach(), [[10.0, math.e - 2.0]])
+        close(lp.grad, [[0.0, 1.0 - math.e]])
+
+
 def test_kl_importance_ratio_and_bad_type():
     w = t([[2.0, 0.5]])
     close(alg.compute_approx_kl(LP, REF, "k1", importance_ratio=w), [[1.0, -0.25]])

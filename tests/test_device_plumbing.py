@@ -265,7 +265,8 @@ def test_gpu_trainer_and_engine_agree(tiny, dtype):
                        loss_mask=[[1] * len(r.token_ids) for r in out],
                        rollout_logprobs=[r.logprobs for r in out],
                        rewards=[float(i % 2) for i in range(len(PROMPTS))],
-                       group_keys=["g"] * len(PROMPTS), weight_versions=[0] * len(PROMPTS))
+                       group_keys=[f"g{i}" for i in range(len(PROMPTS))],
+                       weight_versions=[0] * len(PROMPTS))
     metrics = tr.train(batch)
     tol = 1e-3 if dtype == "fp32" else 0.1
     assert metrics["train_rollout_logprob_abs_diff"] < tol

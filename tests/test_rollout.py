@@ -228,11 +228,20 @@ def rollout_ungenerated(ctx, iteration):
     return ctx.take_groups(2)
 
 
+def rollout_uneven(ctx, iteration):
+    """Moves one sample of the second group into the first: groups of 4 and 2 for n = 3."""
+    groups = ctx.take_groups(2)
+    ctx.generate([s for g in groups for s in g])
+    return [groups[0] + groups[1][:1], groups[1][1:]]
+
+
 @pytest.mark.parametrize("fn, error, message", [
     ("rollout_none", TypeError, "returned NoneType: expected a RolloutOutput or a list of groups"),
     ("rollout_flat", TypeError, "returned a flat list of Sample"),
     ("rollout_no_groups", ValueError, "returned no groups"),
     ("rollout_ungenerated", ValueError, r"returned 6 of 6 samples still 'pending' \(never generated\)"),
+    ("rollout_uneven", ValueError, r"returned a group of 4 samples \(group 0, 2 uneven in all\): "
+                                   r"every group holds rollout.n_samples_per_prompt = 3"),
 ])
 def test_rollout_function_bad_return_names_the_key(tiny, fn, error, message):
     """A wrong type, no groups, or samples never generated is one error naming the key and the

@@ -64,7 +64,7 @@ def test_grpo_loss_equals_hand_computed_value(model_dir):
     token_mean pg_loss = -(0.70711 * 2 - 0.70711 * 3) / (2 + 3 + 1 + 4) = 0.070711;
     sample_mean pg_loss = -(0.70711 - 0.70711 + 0 + 0) / 4 = 0.
     """
-    batch = make_batch([1.0, 0.0, 0.5, 0.5], response_lengths=[2, 3, 1, 4], seed=2)
+    batch = make_batch([1.0, 0.0, 0.5, 0.5], response_lengths=[2, 3, 1, 4], seed=2, group_size=2)
     a = 0.5 / (math.sqrt(0.5) + 1e-6)
     assert a == pytest.approx(0.70711, abs=1e-5)
     for agg, expected_pg in (("token_mean", a / 10), ("sample_mean", 0.0)):
@@ -200,6 +200,62 @@ def test_sft_loss_type_trains_on_kept_rollout_responses(model_dir):
     assert metrics["sft_samples"] == 4.0 and metrics["sft_loss"] > 0
     assert delta[good].min() > 0
     assert delta[good].mean() > delta[~good].mean()
+
+
+def test_sft_min_reward_loss_is_the_kept_samples_own(model_dir):
+    """Rejected samples were zero-mask rows that ``sample_mean`` counted: with 1 of 8 kept the
+    loss (and the step) was 1/8 of the kept sample's NLL (review, 2026-11-29). None kept: no
+    optimizer step, the weights unchanged."""
+    rewards = [1.0] + [0.0] * 7
+    batch = make_batch(rewards, seed=14)
+    tr = trainer(model_dir, 4, loss_type="sft", sft_min_reward=1.0)
+    lp, mask = logprobs(tr, batch), pad_batch(batch, 0).mask
+    nll_kept = float(-(lp[0] * mask[0]).sum() / mask[0].sum())
+    metrics = tr.train(batch)
+    assert metrics["sft_samples"] == 1.0
+    assert metrics["sft_loss"] == pytest.approx(nll_kept, rel=1e-5)
+    none_kept = trainer(model_dir, 4, loss_type="sft", sft_min_reward=2.0)
+    before = params(none_kept.model)
+    metrics = none_kept.train(batch)
+    assert metrics["optimizer_steps"] == 0.0 and metrics["sft_samples"] == 0.0
+    assert all(torch.equal(before[k], v) for k, v in params(none_kept.model).items())
+    assert none_kept.weight_version == 1
+
+
+def test_uneven_groups_are_refused_not_normalised_across_prompts(model_dir):
+    """A batch whose groups are not n consecutive samples of one group key was read as
+    consecutive runs of n: groups of 5 and 3 for n = 4 were normalised across two prompts
+    (review, 2026-11-29)."""
+    batch = make_batch([1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0], seed=15)
+    batch.group_keys = ["A"] * 5 + ["B"] * 3
+    tr = trainer(model_dir, 4)
+    with pytest.raises(ValueError, match=r"groups are not 4 samples each \(rollout.n_samples_per_prompt\): A: 5, B: 3"):
+        tr.train(batch)
+    batch.group_keys = ["A", "B", "A", "B", "C", "C", "C", "C"]  # right sizes, interleaved
+    with pytest.raises(ValueError, match="groups are not 4 samples each"):
+        tr.train(batch)
+    assert tr.weight_version == 0
+    batch.group_keys = ["A"] * 4 + ["B"] * 4
+    tr.train(batch)
+    assert tr.weight_version == 1
+
+
+def test_dropout_in_the_model_config_is_off_in_training(tmp_path):
+    """A config with dropout (attention_dropout 0.3) gave the old-log-prob pass and the grad
+    pass different policies at the same weights: ppo_kl and clipfrac above 0 before any update
+    (review, 2026-11-29). Loaded without dropout, as slime and verl do."""
+    from infra.config import TrainerConfig
+    from tests.megatron_helpers import make_batch as groups_batch
+    from tests.megatron_helpers import save_tiny_model
+    from trainers.torch_trainer import TorchTrainer
+
+    save_tiny_model(str(tmp_path), "llama", tie=False, attention_dropout=0.3)
+    tr = TorchTrainer(str(tmp_path), TrainerConfig(lr=1e-3, global_batch_size=8, micro_batch_size=8),
+                      4, pad_token_id=0)
+    tr.reuse_grad_pass_logprobs = False  # the separate old-log-prob forward
+    assert tr.model.training and tr.model.config.attention_dropout == 0.0
+    metrics = tr.train(groups_batch(n_groups=2, n_per=4))
+    assert metrics["ppo_kl"] == 0.0 and metrics["pg_clipfrac"] == 0.0
 
 
 def test_save_load_round_trip_with_critic(model_dir, tmp_path):

@@ -96,7 +96,7 @@ def test_two_processes_over_gloo_bitwise_across_two_versions(tmp_path):
         tr = TorchTrainer(model_dir, TrainerConfig(lr=5e-2), 2)
         sender = WeightSender(new_group("127.0.0.1", port, 0, 2), bucket_bytes=4096)
         for version in (1, 2):
-            tr.train(make_batch([1.0, 0.0, 0.0, 1.0], seed=version))
+            tr.train(make_batch([1.0, 0.0, 0.0, 1.0], seed=version, group_size=2))
             weights = {k: v for k, v in tr.state_dict().items() if k != "lm_head.weight"}
             stats = sender.send(weights.items(), version)
             assert stats["buckets"] > 1

@@ -22,8 +22,10 @@ def build_model(tmp: Path) -> str:
 
 
 def make_batch(rewards: list[float], response_lengths: list[int] | None = None, seed: int = 0,
-               prompt_length: int = 4, rollout_logprobs: list[list[float]] | None = None) -> TrainBatch:
-    """Random prompts and responses (consecutive groups in order), the given rewards."""
+               prompt_length: int = 4, rollout_logprobs: list[list[float]] | None = None,
+               group_size: int = 4) -> TrainBatch:
+    """Random prompts and responses (consecutive groups of ``group_size`` in order), the given
+    rewards."""
     rng = random.Random(seed)
     n = len(rewards)
     lengths = response_lengths or [rng.randint(2, 5) for _ in range(n)]
@@ -33,7 +35,7 @@ def make_batch(rewards: list[float], response_lengths: list[int] | None = None, 
         sample_uids=[f"t/{i}" for i in range(n)], prompt_token_ids=prompts,
         response_token_ids=responses, loss_mask=[[1] * k for k in lengths],
         rollout_logprobs=rollout_logprobs or [[] for _ in range(n)], rewards=list(rewards),
-        group_keys=[f"g{i}" for i in range(n)], weight_versions=[0] * n)
+        group_keys=[f"g{i // group_size}" for i in range(n)], weight_versions=[0] * n)
 
 
 def trainer(model_dir: str, n_samples_per_prompt: int, **overrides) -> TorchTrainer:

@@ -30,6 +30,9 @@ AGG_MODES = ("sample_mean", "token_mean")
 GRPO_STD_EPS = 1e-6
 WHITEN_EPS = 1e-8
 LOW_VAR_KL_CLAMP = 10.0
+# exp(80) is finite in float32 (its limit ~88.7), and any importance ratio a step can see times
+# exp(80) - 81 is far past the clamp: the clamped value is unchanged
+LOW_VAR_KL_EXP_MAX = 80.0
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGG_MODES", "KL_TYPES",
@@ -137,7 +140,10 @@ def compute_approx_kl(log_probs: Tensor, ref_log_probs: Tensor, kl_loss_type: st
     - k2: d^2 / 2
     - k3, low_var_kl: exp(-d) - 1 + d   (>= 0)
     Optionally (unbiased variant) multiplied by ``importance_ratio`` = exp(lp - lp_old).
-    low_var_kl is then clamped to [-10, 10]; the others are not clamped.
+    low_var_kl is then clamped to [-10, 10]; the others are not clamped. For low_var_kl, -d
+    enters exp at most ``LOW_VAR_KL_EXP_MAX``: past ~88.7 exp(-d) overflows float32, and the
+    clamp's gradient 0 times inf was NaN, through the mask's ``where`` even at a padding
+    position (review, 2026-11-29); the clamped value is the same (> 10 either way).
     """
     _check_shapes("compute_approx_kl", log_probs, ref_log_probs)
     d = _f(log_probs) - _f(ref_log_probs)
@@ -145,8 +151,10 @@ def compute_approx_kl(log_probs: Tensor, ref_log_probs: Tensor, kl_loss_type: st
         kl = d
     elif kl_loss_type == "k2":
         kl = d.pow(2) / 2.0
-    elif kl_loss_type in ("k3", "low_var_kl"):
+    elif kl_loss_type == "k3":
         kl = torch.expm1(-d) + d
+    elif kl_loss_type == "low_var_kl":
+        kl = torch.expm1((-d).clamp(max=LOW_VAR_KL_EXP_MAX)) + d
     else:
         raise ValueError(f"unknown kl_loss_type {kl_loss_type!r}; allowed: {', '.join(KL_TYPES)}")
     if importance_ratio is not None:

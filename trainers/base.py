@@ -35,6 +35,26 @@ class TrainBatch:
     def __len__(self) -> int:
         return len(self.sample_uids)
 
+    def check_groups(self, n_samples_per_prompt: int) -> None:
+        """Raise ValueError unless the rows are consecutive groups of exactly
+        ``n_samples_per_prompt`` samples, each group one ``group_key``: the advantages and
+        pass@k read groups as consecutive runs of n rows, so an uneven group (a rollout function
+        returning 5 and 3 samples for n = 4) was normalised across two prompts without a word
+        (review, 2026-11-29)."""
+        n, keys = n_samples_per_prompt, self.group_keys
+        sizes: dict[str, int] = {}
+        for key in keys:
+            sizes[key] = sizes.get(key, 0) + 1
+        uneven = {k: c for k, c in sizes.items() if c != n}
+        starts = [keys[i] for i in range(0, len(keys), n)]
+        if uneven or len(set(starts)) != len(starts) or any(
+                keys[i] != keys[i - i % n] for i in range(len(keys))):
+            example = ", ".join(f"{k}: {c}" for k, c in list(uneven.items())[:3])
+            raise ValueError(
+                f"the training batch's groups are not {n} samples each "
+                f"(rollout.n_samples_per_prompt){': ' + example if example else ''}: "
+                "a group's advantages are taken over its own samples only")
+
     @classmethod
     def from_arrow(cls, table: pa.Table) -> TrainBatch:
         """Rows sorted by (iteration, group_index, sample_index) so groups are consecutive; a

@@ -221,12 +221,17 @@ class TorchTrainer:
         slices, each accumulating gradients over micro-batches of ``micro_batch_size``.
         ``loss_type: sft`` trains the SFT loss on the response tokens instead."""
         cfg = self.cfg
+        if cfg.loss_type == "policy_loss":
+            batch.check_groups(self.n_samples_per_prompt)
         pb = pad_batch(batch, self.pad_token_id).to(self.device)
         rewards = torch.tensor(batch.rewards, dtype=torch.float32, device=self.device)
         if cfg.use_tis and cfg.loss_type == "policy_loss":
             _check_rollout_logprobs(batch)
-        prep = self._prepare_sft(pb, rewards) if cfg.loss_type == "sft" else self._prepare(pb, rewards)
-        metrics = self._optimize(pb, prep)
+        if cfg.loss_type == "sft":
+            pb, prep = self._prepare_sft(pb, rewards)
+        else:
+            prep = self._prepare(pb, rewards)
+        metrics = self._optimize(pb, prep) if len(pb.mask) else {"optimizer_steps": 0.0}
         self.weight_version += 1
         metrics.update(prep.stats)
         if prep.old_logp is not None:
@@ -281,14 +286,15 @@ class TorchTrainer:
         with self._compute():
             return response_values(critic, pb, self.cfg.share_prompt_forward)
 
-    def _prepare_sft(self, pb: PaddedBatch, rewards: torch.Tensor) -> Prepared:
-        """SFT on the rollout responses; with ``sft_min_reward`` only samples whose reward
-        reaches it keep their mask (rejection sampling)."""
-        mask = pb.mask
+    def _prepare_sft(self, pb: PaddedBatch, rewards: torch.Tensor) -> tuple[PaddedBatch, Prepared]:
+        """SFT on the rollout responses; with ``sft_min_reward`` only the samples whose reward
+        reaches it (rejection sampling): the others are left out of the batch, not kept as
+        zero-mask rows, which ``sample_mean`` counted as samples: the loss and the step were
+        scaled by the share kept (review, 2026-11-29). None kept: no optimizer step."""
         if self.cfg.sft_min_reward is not None:
-            mask = mask * (rewards >= self.cfg.sft_min_reward).to(mask.dtype)[:, None]
-        kept = float((mask.sum(dim=-1) > 0).sum())
-        return Prepared(mask, stats={"sft_samples": kept})
+            pb = pb.select(torch.nonzero(rewards >= self.cfg.sft_min_reward).flatten())
+        kept = float((pb.mask.sum(dim=-1) > 0).sum())
+        return pb, Prepared(pb.mask, stats={"sft_samples": kept})
 
     def _optimize(self, pb: PaddedBatch, prep: Prepared) -> dict[str, float]:
         cfg = self.cfg
