@@ -161,6 +161,8 @@ class RolloutConfig(_Section):
         return self
 
 
+# what the megatron backend trains: every estimator but ppo (it has no critic)
+MEGATRON_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 MEGATRON_PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                            "data_parallel_size")
 
@@ -190,8 +192,10 @@ class TrainerConfig(_Section):
     lr: float = Field(1e-3, gt=0)
     critic_lr: float | None = Field(None, gt=0, description="ppo critic lr; None = lr")
     weight_decay: float = Field(0.0, ge=0)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
+    # 0 <= beta < 1 as torch.optim.AdamW requires: beta2 = 1 divides by a zero bias correction
+    # (every weight NaN, no error), beta1 = 1 by zero too (ZeroDivisionError mid-run)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.99, ge=0, lt=1)
     global_batch_size: int = Field(256, ge=1, description="samples per optimizer step")
     micro_batch_size: int = Field(256, ge=1, description="samples per forward/backward")
     clip_grad: float = Field(1.0, gt=0)
@@ -373,6 +377,24 @@ class RunConfig(_Section):
                              "rollout.n_samples_per_prompt >= 2: its baseline is the mean of each "
                              "prompt's samples, so with one every advantage is 0 and nothing trains "
                              "(one sample per prompt: 'reinforce_plus_plus' or 'ppo')")
+        return self
+
+    @model_validator(mode="after")
+    def _megatron_supports(self) -> RunConfig:
+        """The megatron backend has no critic (ppo) and no SFT loss in the RL loop
+        (``loss_type: sft``): refuse them here, not after the SFT warm-up (ppo) or never (sft
+        trained the policy loss)."""
+        trainer = self.trainer
+        if trainer.backend != "megatron":
+            return self
+        if trainer.loss_type != "policy_loss":
+            raise ValueError(f"trainer.loss_type '{trainer.loss_type}' is not supported by "
+                             "trainer.backend 'megatron': it trains 'policy_loss' only (the "
+                             "torch backend has 'sft')")
+        if trainer.advantage_estimator not in MEGATRON_ESTIMATORS:
+            raise ValueError(f"trainer.advantage_estimator '{trainer.advantage_estimator}' is not "
+                             "supported by trainer.backend 'megatron' (it has no critic): use "
+                             f"{', '.join(MEGATRON_ESTIMATORS)} (the torch backend has 'ppo')")
         return self
 
     @model_validator(mode="after")

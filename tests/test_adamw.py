@@ -4,6 +4,7 @@ a CPU training step no longer imports torch._dynamo."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -107,3 +108,21 @@ def test_a_cpu_training_step_imports_no_dynamo(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "no dynamo"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"betas": (1.0, 0.99)}, "Invalid beta parameter at index 0: 1.0"),
+    ({"betas": (-0.1, 0.99)}, "Invalid beta parameter at index 0: -0.1"),
+    ({"betas": (0.9, 1.0)}, "Invalid beta parameter at index 1: 1.0"),
+    ({"lr": -1e-3}, "Invalid learning rate: -0.001"),
+    ({"eps": -1.0}, "Invalid epsilon value: -1.0"),
+    ({"weight_decay": -0.1}, "Invalid weight_decay value: -0.1"),
+])
+def test_bad_hyperparameters_are_refused_as_torch_refuses_them(kwargs, message):
+    """beta2 = 1 divided by a zero bias correction (every weight NaN, no error) and beta1 = 1
+    raised ZeroDivisionError mid-run: refused when built, with torch.optim.AdamW's message."""
+    hyper = {**HYPER, **kwargs}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        torch.optim.AdamW(_params(0), **hyper)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        AdamW(_params(0), **hyper)

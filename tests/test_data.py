@@ -194,6 +194,35 @@ def test_non_finite_numbers_run_ids_and_a_one_sample_group_baseline_are_refused(
     assert one.rollout.n_samples_per_prompt == 1
 
 
+@pytest.mark.parametrize("key", ["adam_beta1", "adam_beta2"])
+def test_adam_betas_outside_zero_one_are_refused(key):
+    """beta2 = 1 turned every weight NaN without an error, beta1 = 1 was a ZeroDivisionError
+    mid-run (review, 2026-11-29): 0 <= beta < 1, as torch.optim.AdamW requires."""
+    for bad in ("1.0", "1.5", "-0.1"):
+        with pytest.raises(ConfigError, match=rf"'trainer.{key}': Input should be"):
+            load_config(None, [f"trainer.{key}={bad}"])
+    assert getattr(load_config(None, [f"trainer.{key}=0.0"]).trainer, key) == 0.0
+
+
+def test_megatron_refuses_the_trainer_options_it_does_not_implement():
+    """backend megatron trained the policy loss under loss_type sft, and failed on ppo only
+    after the SFT warm-up (review, 2026-11-29): refused at config load, naming the key."""
+    with pytest.raises(ConfigError, match=r"trainer.loss_type 'sft' is not supported by "
+                                          r"trainer.backend 'megatron'.*policy_loss"):
+        load_config(None, ["trainer.backend=megatron", "trainer.loss_type=sft"])
+    with pytest.raises(ConfigError, match=r"trainer.advantage_estimator 'ppo' is not supported "
+                                          r"by trainer.backend 'megatron'.*grpo, gspo, "
+                                          r"reinforce_plus_plus, reinforce_plus_plus_baseline"):
+        load_config(None, ["trainer.backend=megatron", "trainer.advantage_estimator=ppo"])
+    # the torch backend has both; megatron keeps the others
+    assert load_config(None, ["trainer.loss_type=sft"]).trainer.loss_type == "sft"
+    assert load_config(None, ["trainer.advantage_estimator=ppo"]).trainer.advantage_estimator == "ppo"
+    for estimator in ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        cfg = load_config(None, ["trainer.backend=megatron", f"trainer.advantage_estimator={estimator}",
+                                 "trainer.kl_coef=0.01"])
+        assert cfg.trainer.advantage_estimator == estimator
+
+
 def test_an_unknown_reward_name_is_refused_with_its_key_before_anything_starts():
     """An eval set's unknown rm_type failed after the run was recorded, without its key
     (review, 2026-11-29)."""

@@ -92,6 +92,7 @@ def test_two_ranks_equal_tp1_and_save_hf(layout, ckpt, batch, tp1, reference, tm
     _, _, ref_weights = reference
     trainer = make_megatron_trainer(trainer_config(**layout), ckpt[0])
     assert isinstance(trainer, SpawnedMegatronTrainer) and trainer.world == 2
+    assert trainer.uses_reference is False  # forwarded: the runtime keeps v0 while True
     try:
         logp = trainer.compute_logprobs(batch)
         torch.testing.assert_close(logp, logp1, atol=LOGP_TOL, rtol=0)
@@ -267,3 +268,101 @@ def test_gpu_torch_and_megatron_trainers_agree_in_bf16(ckpt, batch):
     for k in ("pg_loss", "entropy_loss"):
         assert m_mg[k] == pytest.approx(m_tt[k], abs=2e-2), k
     mg.close()
+
+
+@pytest.mark.parametrize("agg", ["sample_mean", "token_mean"])
+def test_micro_batch_size_does_not_change_the_update(ckpt, batch, agg):
+    """Gradient accumulation is exact for both aggregations: micro-batches of 3+3+2 give the
+    weights of one micro-batch of 8. Under token_mean each micro-batch's loss used to be
+    weighted by its share of the samples, not of the tokens (review, 2026-11-29)."""
+    weights = {}
+    for micro in (8, 3):
+        trainer = MegatronTrainer(trainer_config(micro_batch_size=micro, loss_aggregation=agg),
+                                  ckpt[0])
+        trainer.train(batch)
+        weights[micro] = trainer.hf_state_dict()
+        trainer.close()
+    assert_weights_close(weights[3], weights[8], WEIGHT_TOL)  # it was 2e-3 under token_mean
+
+
+def test_gpu_micro_batch_losses_carry_their_share_of_the_step():
+    """The GPU path's loss scaling (checked without a GPU): the schedule divides each
+    micro-batch loss by the number of micro-batches M and DDP averages over dp ranks, so
+    sum_m (returned loss_m) / (M * dp) must be each micro-batch's token (or sample) share
+    times its loss; here loss_m = its token mean, so the sum is the whole step's token mean."""
+    mask = torch.tensor([[1., 1., 1., 1.], [1., 0., 0., 0.], [1., 1., 0., 0.], [1., 1., 1., 0.]])
+    per_token = torch.arange(16, dtype=torch.float32).view(4, 4)
+    start = 4  # the step's rows are 4..7 of the batch
+
+    def loss_from_logits(idx, logits):
+        rows = idx - start
+        loss = (per_token[rows] * mask[rows]).sum() / mask[rows].sum()
+        return loss, {"loss": float(loss)}
+
+    micro_batches = [torch.tensor([4, 5]), torch.tensor([6, 7])]
+    weighted = gpu._share_weighted(loss_from_logits, "token_mean", mask, start,
+                                   len(micro_batches), dp=1)
+    outs = [weighted(idx, None) for idx in micro_batches]
+    whole = float((per_token * mask).sum() / mask.sum())
+    assert sum(float(loss) for loss, _ in outs) / len(micro_batches) == pytest.approx(whole)
+    assert sum(terms["loss"] for _, terms in outs) == pytest.approx(whole)
+
+
+def test_kl_reference_is_reference_dir_loaded_at_the_first_train(ckpt, batch, tmp_path):
+    """The reference is the folder the runtime names (checkpoint v0), read at the first train:
+    a trainer built from the base model, moved by the SFT warm-up and saved as v0, has KL 0 at
+    its first RL step. It used to be the construction folder, the base model before SFT
+    (review, 2026-11-29)."""
+    v0 = tmp_path / "v000000"
+    trainer = MegatronTrainer(trainer_config(use_kl_loss=True, kl_loss_coef=0.1), ckpt[0],
+                              reference_dir=str(v0))  # does not exist yet, as on a fresh run
+    assert trainer.uses_reference and trainer.ref_model is None
+    trainer.train_sft(batch)  # the warm-up moves the policy away from the base model
+    trainer.save(str(v0))
+    first = trainer.train(batch)
+    trainer.close()
+    assert first["kl_loss"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_ref_load_overrides_the_reference_folder(ckpt, tmp_path):
+    other = tmp_path / "other"
+    save_tiny_model(str(other), "qwen2", tie=True, seed=1)
+    trainer = MegatronTrainer(trainer_config(use_kl_loss=True, ref_load=str(other)), ckpt[0],
+                              reference_dir=ckpt[0])
+    ref = {k: v for k, v in trainer.reference().state_dict().items() if "extra_state" not in k}
+    fresh = MegatronTrainer(trainer_config(), str(other))
+    want = fresh.local_state_dict()
+    fresh.close()
+    trainer.close()
+    assert all(torch.equal(ref[k], want[k]) for k in want)
+
+
+def test_kl_in_the_reward_and_the_advantage_keys_reach_the_estimator(ckpt, batch):
+    """kl_coef (reward KL against the reference), gamma and normalize_advantages=False reach
+    algorithms.compute_advantages as in the torch trainer; they used to be dropped (False
+    became None, i.e. whitened) (review, 2026-11-29)."""
+    from infra.config import TrainerConfig
+    from trainers import algorithms as alg
+    from trainers.megatron import losses as mlosses
+
+    rewards = torch.tensor([1., 0., 0., 1.])
+    mask = torch.tensor([[1., 1., 1.], [1., 1., 0.], [1., 0., 0.], [1., 1., 1.]])
+    kl = torch.full(mask.shape, 0.1)
+    for est in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        cfg = TrainerConfig(advantage_estimator=est, normalize_advantages=False, gamma=0.5,
+                            kl_coef=0.2)
+        want, _ = alg.compute_advantages(est, rewards, mask, 2, kl=kl, kl_coef=0.2, gamma=0.5,
+                                         normalize_advantages=False)
+        torch.testing.assert_close(mlosses.compute_advantages(cfg, rewards, mask, 2, kl), want)
+    plain = mlosses.compute_advantages(TrainerConfig(advantage_estimator="reinforce_plus_plus",
+                                                     normalize_advantages=False, gamma=0.5),
+                                       rewards, mask, 2)
+    assert plain[0].tolist() == pytest.approx([0.25, 0.5, 1.0])
+    # the trainer: KL to the reference in the reward, 0 before the policy moves, then > 0
+    trainer = MegatronTrainer(trainer_config(advantage_estimator="reinforce_plus_plus",
+                                             kl_coef=0.5, kl_loss_type="k3", lr=1e-2), ckpt[0])
+    assert trainer.uses_reference
+    first, second = trainer.train(batch), trainer.train(batch)
+    trainer.close()
+    assert first["reward_kl"] == pytest.approx(0.0, abs=1e-7)
+    assert second["reward_kl"] > 1e-6

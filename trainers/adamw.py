@@ -45,6 +45,22 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     param.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
 
 
+def _check_hyperparameters(lr: float, betas: tuple[float, float], eps: float,
+                           weight_decay: float) -> None:
+    """torch.optim.AdamW's checks and messages: lr, eps, weight_decay >= 0 and 0 <= beta < 1
+    (beta = 1 makes a bias correction 1 - beta^t zero: NaN weights for beta2, a
+    ZeroDivisionError for beta1)."""
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    for index, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
 class AdamW:
     """The optimizer surface the trainers use: ``param_groups`` (``lr`` settable), ``state``
     (per parameter: ``step``, ``exp_avg``, ``exp_avg_sq``), ``step``, ``zero_grad``,
@@ -53,6 +69,7 @@ class AdamW:
     def __init__(self, params: Iterable[torch.Tensor], lr: float,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2) -> None:
+        _check_hyperparameters(lr, betas, eps, weight_decay)
         self.defaults = {"lr": lr, "betas": tuple(betas), "eps": eps,
                          "weight_decay": weight_decay, **TORCH_GROUP_FLAGS}
         self.param_groups: list[dict[str, Any]] = [{**self.defaults, "params": list(params)}]

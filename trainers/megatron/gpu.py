@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from trainers.losses import micro_weight
 from trainers.megatron.losses import cfg_get
 
 Tensor = torch.Tensor
@@ -128,14 +129,31 @@ def check_step_sizes(step: int, sizes: list[int], dp: int, micro: int) -> None:
                          "batch a multiple of it")
 
 
+def _share_weighted(loss_from_logits: Callable[[Tensor, Tensor], tuple[Tensor, dict[str, float]]],
+                    agg: str, step_mask: Tensor, start: int, n_micro: int, dp: int
+                    ) -> Callable[[Tensor, Tensor], tuple[Tensor, dict[str, float]]]:
+    """``loss_from_logits`` with micro-batch m's loss scaled so that the step's gradient is
+    sum_m w_m grad L_m, w_m = ``micro_weight(agg, step_mask, m)`` (its share of the step's
+    samples or tokens, over all DP ranks): the schedule divides each loss by the number of
+    micro-batches M and DDP averages over the dp ranks, so the loss given to them is
+    L_m * w_m * M * dp. Its metrics come back times w_m (their sum over the step is the
+    step's)."""
+    def weighted(idx: Tensor, logits: Tensor) -> tuple[Tensor, dict[str, float]]:
+        loss, terms = loss_from_logits(idx, logits)
+        w = micro_weight(agg, step_mask, idx - start)
+        return loss * (w * n_micro * dp), {k: float(v) * w for k, v in terms.items()}
+    return weighted
+
+
 def optimize(trainer: Any, pb: Any, step: int, micro: int,
-             loss_from_logits: Callable[[Tensor, Tensor], tuple[Tensor, dict[str, float]]]
-             ) -> dict[str, float]:
+             loss_from_logits: Callable[[Tensor, Tensor], tuple[Tensor, dict[str, float]]],
+             agg: str = "sample_mean") -> dict[str, float]:
     """Optimizer steps with megatron's schedule, DDP and optimizer. Each step's samples are
-    split over DP ranks and into micro-batches of ``micro``; the schedule divides each
-    micro-batch loss by the number of micro-batches and DDP averages over DP, so micro-batches
-    must be equal-sized: ``global_batch_size`` must be a multiple of ``dp * micro_batch_size``.
-    Metrics are the last stage's, averaged over micro-batches, DP ranks and steps."""
+    split over DP ranks and into micro-batches of ``micro``, which the schedule needs
+    equal-sized: ``global_batch_size`` must be a multiple of ``dp * micro_batch_size``. Each
+    micro-batch loss carries its share of the step's samples (sample_mean) or tokens
+    (token_mean), ``_share_weighted``. Metrics are the last stage's, weighted the same way,
+    summed over micro-batches and DP ranks, averaged over steps."""
     from megatron.core import parallel_state as ps
 
     n = pb.input_ids.shape[0]
@@ -146,15 +164,17 @@ def optimize(trainer: Any, pb: Any, step: int, micro: int,
     for start, size in spans:
         trainer.model.zero_grad_buffer()
         trainer.optimizer.zero_grad()
-        results = _run_schedule(trainer, trainer.model, pb,
-                                _micro_batches(trainer, start, size, micro),
-                                loss_from_logits, forward_only=False)
+        micro_batches = _micro_batches(trainer, start, size, micro)
+        weighted = _share_weighted(loss_from_logits, agg, pb.mask[start:start + size], start,
+                                   len(micro_batches), trainer.dp)
+        results = _run_schedule(trainer, trainer.model, pb, micro_batches, weighted,
+                                forward_only=False)
         ok, grad_norm, _ = trainer.optimizer.step()
         if not ok:
             raise FloatingPointError("megatron optimizer step skipped (inf/nan gradients)")
         for r in results:
             for k, v in r.items():
-                totals[k] = totals.get(k, 0.0) + float(v) / len(results)
+                totals[k] = totals.get(k, 0.0) + float(v)  # already times its share
         totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(grad_norm or 0.0)
         steps += 1
     if trainer.dp > 1:
@@ -162,7 +182,7 @@ def optimize(trainer: Any, pb: Any, step: int, micro: int,
         vals = torch.tensor([totals.get(k, 0.0) for k in keys], dtype=torch.float64,
                             device="cuda")
         torch.distributed.all_reduce(vals, group=ps.get_data_parallel_group())
-        totals.update(zip(keys, (vals / trainer.dp).tolist(), strict=True))
+        totals.update(zip(keys, vals.tolist(), strict=True))  # shares of the whole step
     out = {k: v / max(steps, 1) for k, v in totals.items()}
     out["optimizer_steps"] = float(steps)
     return out

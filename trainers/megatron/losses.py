@@ -23,19 +23,24 @@ def cfg_get(cfg: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def compute_advantages(cfg: Any, rewards: Tensor, mask: Tensor,
-                       n_samples_per_prompt: int) -> Tensor:
+def compute_advantages(cfg: Any, rewards: Tensor, mask: Tensor, n_samples_per_prompt: int,
+                       kl: Tensor | None = None) -> Tensor:
     """Advantages [B, T] for ``cfg.advantage_estimator`` (grpo, gspo, reinforce_plus_plus*),
-    0 off the mask; ``ppo`` needs a critic, which this backend does not have."""
+    0 off the mask: the torch trainer's call of ``algorithms.compute_advantages`` with the same
+    keys (reward KL ``kl_coef * kl``, discount ``gamma``, ``normalize_advantages`` as given:
+    None = the estimator's default, False = never whiten). ``kl`` [B, T] = KL(lp_old, lp_ref)
+    when ``kl_coef > 0`` (zeros when None). ``ppo`` needs a critic, which this backend lacks."""
     estimator = cfg_get(cfg, "advantage_estimator", "grpo")
     if estimator == "ppo":
         raise ValueError("trainer.advantage_estimator=ppo needs a critic; the megatron backend "
                          "supports grpo, gspo, reinforce_plus_plus, reinforce_plus_plus_baseline")
-    normalize = getattr(cfg, "normalize_advantages", None)
     adv, _ = alg.compute_advantages(
-        estimator, rewards, mask, n_samples_per_prompt,
+        estimator, rewards, mask, n_samples_per_prompt, kl=kl,
+        kl_coef=float(cfg_get(cfg, "kl_coef", 0.0)), gamma=float(cfg_get(cfg, "gamma", 1.0)),
         normalize_std=not cfg_get(cfg, "disable_grpo_std_normalization", False),
-        normalize_advantages=normalize if normalize else None)
+        # as given: False means never whiten (``x if x else None`` made it None, the
+        # estimator's default, which whitens reinforce_plus_plus*)
+        normalize_advantages=getattr(cfg, "normalize_advantages", None))
     return adv
 
 

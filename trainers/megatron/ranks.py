@@ -173,6 +173,8 @@ class MegatronRanks:
         self._stopped = False
         self._checked(lambda: launcher.start(call_timeout_s))
         self.weight_version = int(self._call("__getattr__", "weight_version"))
+        # read by the runtime (``trainer_needs_v0``): v0 is the KL reference, never pruned
+        self.uses_reference = bool(self._call("__getattr__", "uses_reference"))
 
     def _checked(self, send: Callable[[], list[Answer]]) -> Any:
         """Rank 0's result; any rank's error (raised, dead, silent) stops all ranks first."""

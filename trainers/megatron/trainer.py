@@ -21,7 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainers import algorithms as alg
 from trainers.base import PaddedBatch, TrainBatch, pad_batch
+from trainers.losses import micro_weight
 from trainers.megatron import losses
 from trainers.megatron.gpu import step_spans
 from trainers.megatron.losses import cfg_get
@@ -34,6 +36,7 @@ from trainers.megatron.model import (
     vocab_parallel_log_probs,
 )
 from trainers.megatron.weight_mapping import ModelShape, hf_to_megatron, megatron_to_hf
+from trainers.reference import needs_reference
 
 STATE_DIR = "megatron_state"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
@@ -101,22 +104,27 @@ def clip_grad_norm_tp(params: list[torch.nn.Parameter], max_norm: float) -> floa
 
 
 class MegatronTrainer:
-    """Policy on megatron-core (+ a frozen reference copy when ``use_kl_loss``).
+    """Policy on megatron-core (+ a frozen reference when KL is used: ``use_kl_loss``, or
+    ``kl_coef > 0`` with reinforce_plus_plus*).
 
     ``config``: any object with the trainer attributes (lr, eps_clip, eps_clip_high, eps_clip_c,
     advantage_estimator, use_kl_loss, kl_loss_coef, kl_loss_type, entropy_coef,
     global_batch_size, micro_batch_size, clip_grad, weight_decay, adam_beta1, adam_beta2,
     loss_aggregation, tensor_model_parallel_size, pipeline_model_parallel_size, ...).
     ``n_samples_per_prompt`` / ``rollout_temperature`` default to the config's attributes.
+    ``reference_dir``: the HF folder of the KL reference, as the torch trainer's (the runtime
+    passes checkpoint v0; default ``model_dir``); ``ref_load`` overrides it.
     """
 
     def __init__(self, config: Any, model_dir: str, n_samples_per_prompt: int | None = None,
                  rollout_temperature: float | None = None, weight_version: int = 0,
-                 pad_token_id: int = 0, seed: int = 1234, dtype: str | None = None) -> None:
+                 pad_token_id: int = 0, seed: int = 1234, dtype: str | None = None,
+                 reference_dir: str | None = None) -> None:
         from megatron.core import parallel_state as ps
 
         self.cfg = config
         self.model_dir = model_dir
+        self.reference_dir = cfg_get(config, "ref_load", None) or reference_dir or model_dir
         self.n_samples_per_prompt = int(n_samples_per_prompt or cfg_get(
             config, "n_samples_per_prompt", 1))
         self.temperature = float(rollout_temperature or cfg_get(config, "rollout_temperature",
@@ -146,12 +154,30 @@ class MegatronTrainer:
         self.dtype = torch.bfloat16 if self.on_gpu and bf16 else torch.float32
         self.model = build_gpt_model(self.shape, self.tp, self.pp, self.dtype)
         self._load_weights(self.model, model_dir)
-        self.ref_model = None
-        if cfg_get(config, "use_kl_loss", False):
-            self.ref_model = build_gpt_model(self.shape, self.tp, self.pp, self.dtype).eval()
-            self._load_weights(self.ref_model, model_dir)
-            self.ref_model.requires_grad_(False)
+        self.ref_model: torch.nn.Module | None = None  # loaded at the first train (reference())
         self._make_optimizer()
+
+    # ---- the reference (KL) ----
+    @property
+    def uses_reference(self) -> bool:
+        """KL in the loss, or in the reward (kl_coef > 0 with reinforce_plus_plus*); the
+        runtime keeps checkpoint v0 while this is true (``Runtime.trainer_needs_v0``)."""
+        return needs_reference(bool(cfg_get(self.cfg, "use_kl_loss", False)),
+                               float(cfg_get(self.cfg, "kl_coef", 0.0)),
+                               cfg_get(self.cfg, "advantage_estimator", "grpo"))
+
+    def reference(self) -> torch.nn.Module:
+        """The frozen reference from ``reference_dir``, built on first use: at construction
+        on a fresh run, checkpoint v0 (the SFT warm-up's output) does not exist yet."""
+        if self.ref_model is None:
+            # building draws random initial weights (overwritten by the load): leave the RNG
+            # stream the run saves in its checkpoints as if it had not been built
+            devices = [torch.cuda.current_device()] if self.on_gpu else []
+            with torch.random.fork_rng(devices=devices):
+                model = build_gpt_model(self.shape, self.tp, self.pp, self.dtype).eval()
+            self._load_weights(model, self.reference_dir)
+            self.ref_model = model.requires_grad_(False)
+        return self.ref_model
 
     # ---- weights ----
     def _load_weights(self, model: torch.nn.Module, model_dir: str) -> None:
@@ -278,11 +304,14 @@ class MegatronTrainer:
         """Old log-probs, advantages, then ceil(B / global_batch_size) optimizer steps (the
         torch trainer's schedule); metrics averaged over steps."""
         cfg = self.cfg
+        batch.check_groups(self.n_samples_per_prompt)  # advantages read n consecutive rows
         pb = pad_batch(batch, self.pad_token_id).to(self._device)
         rewards = torch.tensor(batch.rewards, dtype=torch.float32, device=self._device)
         old_logp = self._logprobs_no_grad(self.model, pb)
-        ref_logp = self._logprobs_no_grad(self.ref_model, pb) if self.ref_model else None
-        advantages = losses.compute_advantages(cfg, rewards, pb.mask, self.n_samples_per_prompt)
+        ref_logp = self._logprobs_no_grad(self.reference(), pb) if self.uses_reference else None
+        kl = self._reward_kl(old_logp, ref_logp)
+        advantages = losses.compute_advantages(cfg, rewards, pb.mask, self.n_samples_per_prompt,
+                                               kl)
 
         def loss_from_logits(idx: torch.Tensor, logits: torch.Tensor
                              ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -292,8 +321,11 @@ class MegatronTrainer:
                                      sub.mask, None if ref_logp is None else ref_logp[idx],
                                      sub.rollout_logprobs)
 
-        metrics = self._optimize(pb, loss_from_logits)
+        metrics = self._optimize(pb, loss_from_logits,
+                                 cfg_get(cfg, "loss_aggregation", "sample_mean"))
         self.weight_version += 1
+        if kl is not None:
+            metrics["reward_kl"] = float(alg.masked_mean(kl, pb.mask))
         masked_adv = advantages[pb.mask > 0]
         metrics.update(
             lr=float(cfg.lr),
@@ -303,15 +335,26 @@ class MegatronTrainer:
                                                                   pb.mask))
         return self._from_last_stage(metrics)
 
-    def _optimize(self, pb: PaddedBatch, loss_from_logits) -> dict[str, float]:
+    def _reward_kl(self, old_logp: torch.Tensor, ref_logp: torch.Tensor | None
+                   ) -> torch.Tensor | None:
+        """KL in the reward, as the torch trainer: kl = compute_approx_kl(lp_old, lp_ref,
+        kl_loss_type) when kl_coef > 0 and the estimator uses it (ref_logp given), else None."""
+        if ref_logp is None or float(cfg_get(self.cfg, "kl_coef", 0.0)) <= 0:
+            return None
+        return alg.compute_approx_kl(old_logp, ref_logp,
+                                     cfg_get(self.cfg, "kl_loss_type", "low_var_kl"))
+
+    def _optimize(self, pb: PaddedBatch, loss_from_logits, agg: str) -> dict[str, float]:
         """Optimizer steps over the batch; ``loss_from_logits(idx, logits)`` -> (loss, metrics)
-        of micro-batch ``idx``. Each micro-batch loss is weighted by its share of the step, so
-        the step's gradient is that of the global-batch mean (summed over DP ranks)."""
+        of micro-batch ``idx``, aggregated by ``agg`` (sample_mean | token_mean). Each
+        micro-batch loss is weighted by its share of the step (``trainers.losses.micro_weight``:
+        samples for sample_mean, tokens for token_mean), so the step's gradient is that of the
+        whole step's loss (summed over DP ranks), whatever micro_batch_size is."""
         n = pb.input_ids.shape[0]
         step, micro = self._step_plan(n)
         if self.on_gpu:  # UNTESTED here (no GPU)
             from trainers.megatron import gpu
-            return gpu.optimize(self, pb, step, micro, loss_from_logits)
+            return gpu.optimize(self, pb, step, micro, loss_from_logits, agg)
         from megatron.core import parallel_state as ps
         totals: dict[str, float] = {}
         steps = 0
@@ -319,13 +362,15 @@ class MegatronTrainer:
         for start, size in step_spans(n, step):
             self.optimizer.zero_grad(set_to_none=False)
             mine = self._dp_slice(torch.arange(start, start + size))
+            step_mask = pb.mask[start:start + size]  # the whole step's, every DP rank's rows
             for m0 in range(0, len(mine), micro):
                 idx = mine[m0:m0 + micro]
                 loss, terms = loss_from_logits(idx, forward_logits(self.model,
                                                                    pb.input_ids[idx]))
-                (loss * len(idx) / size).backward()
+                weight = micro_weight(agg, step_mask, idx - start)
+                (loss * weight).backward()
                 for k, v in terms.items():
-                    totals[k] = totals.get(k, 0.0) + v * len(idx) / size
+                    totals[k] = totals.get(k, 0.0) + v * weight
             if self.dp > 1:
                 for p in params:
                     dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
@@ -345,8 +390,7 @@ class MegatronTrainer:
     # ---- SFT ----
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
         """Steps of  -mean_t log pi(y_t | x, y_<t)  over masked response tokens (temperature 1,
-        aggregation ``token_mean`` per micro-batch), the torch trainer's SFT loss."""
-        from trainers import algorithms as alg
+        aggregation ``token_mean`` over each step's tokens), the torch trainer's SFT loss."""
         pb = pad_batch(batch, self.pad_token_id).to(self._device)
         saved_t, self.temperature = self.temperature, 1.0
         try:
@@ -356,7 +400,7 @@ class MegatronTrainer:
                 logp, _ = self.logprobs_from_logits(logits, sub)
                 loss = alg.sft_loss(logp, sub.mask, "token_mean")
                 return loss, {"sft_loss": float(loss.detach())}
-            return self._from_last_stage(self._optimize(pb, loss_from_logits))
+            return self._from_last_stage(self._optimize(pb, loss_from_logits, "token_mean"))
         finally:
             self.temperature = saved_t
 
