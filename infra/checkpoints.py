@@ -1,5 +1,5 @@
-"""Which checkpoints a run writes, trusts, rebuilds from and may delete (pure rules, no I/O but
-folder listings).
+"""Which checkpoints a run writes, trusts, rebuilds from and may delete (rules; the only I/O is
+folder listings, and ``checkpoint_problem``'s reading of file headers).
 
 A weight version is committed by its ``train_steps`` row (the lake is the write-ahead log); a
 checkpoint is a shortcut to a committed version:
@@ -7,7 +7,8 @@ checkpoint is a shortcut to a committed version:
 - saved: v0, every ``save_interval``-th version, the run's last one (and every version when the
   engine can only load weights from disk);
 - trusted on resume: the newest complete folder at or below the committed version (``*.tmp``
-  folders and versions above the commit are never trusted);
+  folders and versions above the commit are never trusted); one whose files cannot be read
+  (``checkpoint_problem``) is set aside as ``vNNNNNN.unusable`` and the next older one used;
 - rebuilt: the committed versions above it, by re-training each committed step on exactly the
   samples its row names (no generation);
 - pruned: never the one a resume needs, never v0 while the reference needs it, never one above
@@ -17,6 +18,7 @@ checkpoint is a shortcut to a committed version:
 from __future__ import annotations
 
 import re
+import zipfile
 from pathlib import Path
 
 CHECKPOINT_RE = re.compile(r"^v(\d{6,})$")
@@ -77,3 +79,39 @@ def rebuild_chain(steps: list[dict], start: int, committed: int) -> list[dict]:
         chain.append(step)
         v = step["weight_version"]
     return chain
+
+
+def checkpoint_problem(folder: Path, state_files: list[str]) -> str | None:
+    """Why the checkpoint ``folder`` cannot be resumed from, or None: its config.json and the
+    headers of its weights readable (``infra.startup.unreadable_model_file``, milliseconds),
+    and each of ``state_files`` (the trainer's: optimizer, RNG, critic) there, a ``.pt`` one
+    a whole zip archive (its directory sits at the end: a truncated file has none). Unchecked,
+    a damaged newest folder stopped the resume with an error naming no file, and one without
+    its optimizer state resumed with a fresh optimizer and ended elsewhere than an uninterrupted
+    run, without a word (review, 2026-11-29)."""
+    from infra.startup import not_a_model_folder, unreadable_model_file
+
+    why = not_a_model_folder(folder) or unreadable_model_file(folder)
+    if why:
+        return why.replace("model.path: ", "").replace("model.path ", "")
+    for name in state_files:
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.suffix == ".pt":
+            try:
+                zipfile.ZipFile(path).close()
+            except (zipfile.BadZipFile, OSError) as e:
+                return f"{path} is not readable ({e})"
+    return None
+
+
+def set_aside(folder: Path) -> Path:
+    """Rename a checkpoint folder no resume may use to ``NAME.unusable`` (``.unusable.2``, ...
+    if taken): kept for a look, never trusted, pruned or written over (no checkpoint name)."""
+    target, n = folder.with_name(folder.name + ".unusable"), 1
+    while target.exists():
+        n += 1
+        target = folder.with_name(f"{folder.name}.unusable.{n}")
+    folder.rename(target)
+    return target

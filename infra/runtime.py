@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from buffer import Lake
-from infra.checkpoints import prunable, resume_checkpoint, saved_versions
+from infra.checkpoints import checkpoint_problem, prunable, resume_checkpoint, saved_versions, set_aside
 from infra.cluster import megatron_ray_ranks, required_cpus
 from infra.config import RunConfig, config_from_dict
 from infra.modeling import load_tokenizer, placement, tiny_model, use_deterministic_algorithms
@@ -26,7 +26,8 @@ from infra.tracking import Tracker
 from rollout.data import PromptDataset
 from rollout.engine import RolloutEngine, SamplingParams
 from rollout.setup import attach_rollout, load_run_data
-from trainers.torch_trainer import TorchTrainer, seed_everything
+from trainers.critic import CRITIC_FILE
+from trainers.torch_trainer import STATE_FILE, TorchTrainer, seed_everything
 
 RUNTIMES: dict[str, Runtime] = {}
 HELD_OUT = "held_out"
@@ -73,6 +74,7 @@ class Runtime:
         self.trainer: TorchTrainer | None = None
         self.start_iteration = 0
         self.mlflow_run_id: str | None = None
+        self._held_warnings: list[str] = []  # found before anyone listened (``warn``)
         self.reporter = None
         # the previous iteration's commit while it runs behind (a Future: flows.steps.run_behind)
         self.pending_commit = None
@@ -84,6 +86,26 @@ class Runtime:
         """Live progress for the CLI (no-op when nobody listens)."""
         if self.reporter is not None:
             self.reporter(event, payload)
+
+    def warn(self, message: str) -> None:
+        """A warning for the CLI; one found while the runtime opens (before the flow sets
+        ``reporter``) is held and reported once it is set."""
+        if self.reporter is None:
+            self._held_warnings.append(message)
+        else:
+            self.reporter("warning", {"message": message})
+
+    @property
+    def reporter(self):
+        return self._reporter
+
+    @reporter.setter
+    def reporter(self, reporter) -> None:
+        self._reporter = reporter
+        if reporter is not None:
+            held, self._held_warnings = self._held_warnings, []
+            for message in held:
+                reporter("warning", {"message": message})
 
     @property
     def run_dir(self) -> Path:
@@ -199,12 +221,14 @@ def _make_trainer(cfg: RunConfig, model_dir: Path, tokenizer, version: int,
 
         return ray_megatron_trainer(cfg.trainer, str(model_dir), cfg.cluster, device=cfg.device,
                                     dtype=cfg.dtype, ray_cpus=required_cpus(cfg),
+                                    reference_dir=str(reference_dir) if reference_dir else None,
                                     **_megatron_kwargs(cfg, tokenizer, version))
     device, dtype = placement(cfg.device, cfg.dtype)
     if cfg.trainer.backend == "megatron":
         from trainers.megatron.launch import make_megatron_trainer
 
         build = partial(make_megatron_trainer, cfg.trainer, str(model_dir), dtype=dtype,
+                        reference_dir=str(reference_dir) if reference_dir else None,
                         **_megatron_kwargs(cfg, tokenizer, version))
     else:
         build = partial(TorchTrainer, str(model_dir), cfg.trainer, cfg.rollout.n_samples_per_prompt,
@@ -243,7 +267,7 @@ def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False
         if row.get("replay_of") and not replay:
             raise ValueError(f"run '{run_id}' is a replay of '{row['replay_of']}': resume would "
                              "generate; resume it with flows.replay.rl_replay(resume=True) (`rlake resume` does)")
-        cfg = config_from_dict(json.loads(row["config"]))
+        cfg = recorded_config(row, cfg, home)
     run_id = run_id or cfg.run_id or new_run_id()
     # the run's thread count, whoever calls (the CLI sets it too; `rl_run` from Python or a
     # deployment's worker may not): torch's default, one thread per core, would put two
@@ -266,6 +290,17 @@ def open_runtime(cfg: RunConfig, run_id: str | None = None, resume: bool = False
     rt.spawned = spawned
     RUNTIMES[run_id] = rt
     return rt
+
+
+def recorded_config(row: dict, cfg: RunConfig, home: Path) -> RunConfig:
+    """The config a run was recorded with, at the state folder and lake it is resumed from
+    (``cfg``'s: where its row was found): the recorded ``home`` was the path as given then
+    (``./rlake-home`` by default, relative), so a resume from another folder, or of a moved
+    home, loaded the old base model, wrote MLflow under the old path and failed in async
+    mode's rollout process (review, 2026-11-29)."""
+    recorded = config_from_dict(json.loads(row["config"]))
+    return recorded.model_copy(update={"home": str(home), "lake_uri": cfg.lake_uri,
+                                       "storage_options": cfg.storage_options or recorded.storage_options})
 
 
 def runtime_for(cfg: RunConfig, run_id: str | None, resume: bool, replay: bool = False) -> Runtime:
@@ -306,22 +341,61 @@ def _open(cfg: RunConfig, run_id: str, resume: bool, home: Path, run_dir: Path, 
     return rt
 
 
-def resume_point(rt: Runtime, base: Path) -> tuple[int, int, Path]:
+def resume_point(rt: Runtime, base: Path, problem=None) -> tuple[int, int, Path]:
     """(next iteration, weight version to load, its model folder) read from the lake.
 
     Next iteration = max(train_steps.iteration) + 1. Weights = the newest checkpoint at or below
-    the committed version (never a newer, uncommitted folder, never a ``*.tmp`` one); the
-    committed steps above it are re-trained from the lake afterwards (``flows.durability.
-    rebuild_committed``). Before the first commit: v0 if SFT finished (its folder exists; the
-    rename is atomic), else the base model (SFT runs again).
+    the committed version (never a newer, uncommitted folder, never a ``*.tmp`` one) whose files
+    can be read (``problem``: ``checkpoint_problem`` with the trainer's state files; one that
+    cannot is set aside, with a warning, and the next older one taken); the committed steps
+    above it are re-trained from the lake afterwards (``flows.durability.rebuild_committed``).
+    Before the first commit: v0 if SFT finished (its folder exists; the rename is atomic), else
+    the base model (SFT runs again).
     """
+    problem = problem or partial(_checkpoint_problem, rt.cfg)
     steps = rt.lake.read("train_steps", run_id=rt.run_id, columns=["iteration", "weight_version"])
+    saved = saved_versions(rt.checkpoint_root)
     if not steps.num_rows:
-        return 0, 0, rt.checkpoint_dir(0) if rt.checkpoint_dir(0).exists() else base
+        usable = _usable_checkpoint(rt, [v for v in saved if v == 0], 0, problem)
+        return 0, 0, base if usable is None else rt.checkpoint_dir(0)
     start_iteration = max(steps.column("iteration").to_pylist()) + 1
     committed = max(steps.column("weight_version").to_pylist())
-    version = resume_checkpoint(saved_versions(rt.checkpoint_root), committed)
+    version = _usable_checkpoint(rt, saved, committed, problem)
     if version is None:
         raise FileNotFoundError(f"run {rt.run_id}: no checkpoint at or below the committed weight "
                                 f"version {committed} in {rt.checkpoint_root}; cannot resume")
     return start_iteration, version, rt.checkpoint_dir(version)
+
+
+def _usable_checkpoint(rt: Runtime, saved: list[int], committed: int, problem) -> int | None:
+    """The newest of ``saved`` at or below ``committed`` that ``problem`` passes; the newer
+    ones it fails are set aside (``set_aside``) with a warning."""
+    saved = list(saved)
+    while (version := resume_checkpoint(saved, committed)) is not None:
+        folder = rt.checkpoint_dir(version)
+        why = problem(folder, version)
+        if why is None:
+            return version
+        aside = set_aside(folder)
+        rt.warn(f"checkpoint v{version} cannot be resumed from ({why}); set aside as {aside.name}: "
+                "the run resumes from an older checkpoint and re-trains the committed steps "
+                "from the lake")
+        saved.remove(version)
+    return None
+
+
+def _checkpoint_problem(cfg: RunConfig, folder: Path, version: int) -> str | None:
+    """``checkpoint_problem`` with what the run's trainer saves besides the weights
+    (trainers' ``save``): its optimizer and RNG state, and from v1 on a ppo critic's."""
+    if cfg.trainer.backend == "megatron":
+        from trainers.megatron.trainer import STATE_DIR
+
+        ranks = sorted(p.name for p in (folder / STATE_DIR).glob("rank*.pt"))
+        state = [f"{STATE_DIR}/layout.json", f"{STATE_DIR}/rank0.pt",
+                 *(f"{STATE_DIR}/{r}" for r in ranks if r != "rank0.pt")]
+    else:
+        state = [STATE_FILE]
+        if version > 0 and cfg.trainer.loss_type == "policy_loss" \
+                and cfg.trainer.advantage_estimator == "ppo":
+            state.append(CRITIC_FILE)
+    return checkpoint_problem(folder, state)

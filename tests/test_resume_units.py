@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,18 @@ from buffer import Lake
 from flows.deployments import save_spec
 from infra.config import config_from_dict
 from infra.faults import parse_faults
-from infra.recovery import SERVER_SIGNATURE, _cmdline, claim_run, orphan_servers, pid_alive, stop_processes
-from infra.runtime import Runtime, iteration_seed, resume_point
+from infra.recovery import (
+    SERVER_SIGNATURE,
+    _cmdline,
+    claim_run,
+    orphan_servers,
+    pid_alive,
+    release_run,
+    run_owner,
+    stop_processes,
+)
+from infra.runtime import Runtime, iteration_seed
+from infra.runtime import resume_point as _resume_point
 from infra.startup import parse_iterations
 from tests.opshelp import ROOT
 
@@ -57,8 +68,11 @@ def _commit(rt: Runtime, version: int) -> None:
 
 
 def test_resume_point_uses_newest_checkpoint_at_or_below_committed(tmp_path):
+    """Folder selection only (empty folders pass): the files are checked in
+    test_resume_point_sets_aside_a_damaged_checkpoint."""
     rt = _runtime(tmp_path, keep=3)
     base = tmp_path / "base"
+    resume_point = partial(_resume_point, problem=lambda folder, version: None)
     assert resume_point(rt, base) == (0, 0, base)  # nothing yet: SFT runs again
     for v in (0, 1, 3):
         rt.checkpoint_dir(v).mkdir(parents=True)
@@ -77,6 +91,71 @@ def test_resume_point_uses_newest_checkpoint_at_or_below_committed(tmp_path):
         shutil.rmtree(rt.checkpoint_dir(v))
     with pytest.raises(FileNotFoundError, match="no checkpoint at or below the committed weight version 2"):
         resume_point(rt, base)
+
+
+def test_resume_point_sets_aside_a_damaged_checkpoint(tmp_path):
+    """A damaged newest checkpoint stopped the resume with an error naming no file (truncated
+    weights, an empty folder, a truncated trainer state), and one without its optimizer state
+    resumed with a fresh optimizer, silently ending elsewhere (review, 2026-11-29): each is set
+    aside with a warning naming the file, and the next older checkpoint is used."""
+    import shutil
+
+    from tests.trainer_fixtures import build_model, trainer
+    from trainers.torch_trainer import STATE_FILE
+
+    rt = _runtime(tmp_path, keep=3)
+    tr = trainer(build_model(tmp_path), 4)
+    for v in (0, 1):
+        tr.save(str(rt.checkpoint_dir(v)))
+    for v in (1, 2):
+        _commit(rt, v)
+    good = tmp_path / "good"
+    shutil.copytree(rt.checkpoint_dir(1), good)
+    warnings = []
+    rt.reporter = lambda event, payload: warnings.append(payload["message"])
+
+    def damage(how) -> str:
+        shutil.rmtree(rt.checkpoint_dir(1), ignore_errors=True)
+        shutil.copytree(good, rt.checkpoint_dir(1))
+        how(rt.checkpoint_dir(1))
+        warnings.clear()
+        assert _resume_point(rt, tmp_path / "base") == (2, 0, rt.checkpoint_dir(0))
+        assert not rt.checkpoint_dir(1).exists() and len(warnings) == 1
+        return warnings[0]
+
+    def truncate(path: Path) -> None:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    assert "model.safetensors" in damage(lambda d: truncate(d / "model.safetensors"))
+    assert f"{STATE_FILE} is missing" in damage(lambda d: (d / STATE_FILE).unlink())
+    assert f"{STATE_FILE} is not readable" in damage(lambda d: truncate(d / STATE_FILE))
+    message = damage(lambda d: [p.unlink() for p in d.iterdir()])
+    assert "no config.json" in message and "set aside as v000001.unusable.4" in message
+    assert sorted(p.name for p in rt.checkpoint_root.iterdir()) == [
+        "v000000", "v000001.unusable", "v000001.unusable.2", "v000001.unusable.3", "v000001.unusable.4"]
+    # a warning found before anyone listens is held until a reporter is set
+    rt.reporter = None
+    shutil.copytree(good, rt.checkpoint_dir(1))
+    (rt.checkpoint_dir(1) / STATE_FILE).unlink()
+    _resume_point(rt, tmp_path / "base")
+    rt.reporter = lambda event, payload: warnings.append((event, payload["message"]))
+    assert warnings[-1][0] == "warning" and "is missing" in warnings[-1][1]
+
+
+def test_a_resume_runs_at_the_home_and_lake_it_was_found_in(tmp_path):
+    """The recorded config's home is the path as given then (``./rlake-home`` by default): a
+    resume of a moved home, or from another folder, loaded the old base model and failed in
+    async mode's rollout process (review, 2026-11-29)."""
+    import json
+
+    from infra.runtime import recorded_config
+
+    row = {"config": json.dumps(config_from_dict({"home": "./rlake-home", "seed": 7}).model_dump())}
+    now = config_from_dict({"home": str(tmp_path)})
+    cfg = recorded_config(row, now, tmp_path)
+    assert (cfg.home, cfg.resolved_lake_uri, cfg.seed) == (str(tmp_path), str(tmp_path / "lake"), 7)
+    elsewhere = config_from_dict({"home": str(tmp_path), "lake_uri": str(tmp_path / "shared-lake")})
+    assert recorded_config(row, elsewhere, tmp_path).resolved_lake_uri == str(tmp_path / "shared-lake")
 
 
 def test_prune_never_deletes_committed_or_newer(tmp_path):
@@ -138,21 +217,126 @@ def test_orphan_server_found_and_stopped(tmp_path):
         stop_processes([orphan])
 
 
+# a process that claims the run folder argv[1] (at wall-clock time argv[2], when given, so that
+# several claim at once), says "claimed <pid>" or "refused", and lives until its stdin closes;
+# with argv[3] it first starts a child that outlives it (a server, a worker) and says its PID
+CLAIMER = """
+import subprocess, sys, time
+from pathlib import Path
+from infra.recovery import claim_run
+if len(sys.argv) > 3:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    print("child", child.pid, flush=True)
+if len(sys.argv) > 2:
+    time.sleep(max(0.0, float(sys.argv[2]) - time.time() - 0.01))
+    while time.time() < float(sys.argv[2]):  # the last moment spinning: they start together
+        pass
+try:
+    claim_run(Path(sys.argv[1]))
+    print("claimed", flush=True)
+except ValueError as e:
+    print("refused", e, flush=True)
+sys.stdin.read()
+"""
+
+
+def _claimer(run_dir: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CLAIMER, str(run_dir), *args], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait()
+
+
 def test_claim_run_refuses_a_live_owner(tmp_path):
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    other = _claimer(tmp_path)
     try:
-        # between fork and exec its /proc cmdline can be empty (CI, 2026-11-29): wait for exec
-        deadline = time.monotonic() + 30
-        while "time.sleep" not in _cmdline(other.pid) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        (tmp_path / "owner.pid").write_text(str(other.pid))
+        assert other.stdout.readline().strip() == "claimed"
+        assert run_owner(tmp_path) == other.pid
         with pytest.raises(ValueError, match=f"in use by process {other.pid}"):
             claim_run(tmp_path)
     finally:
-        other.kill()
-        other.wait()
+        _end(other)
+    assert run_owner(tmp_path) is None
     claim_run(tmp_path)  # the owner is gone: taken over
+    try:
+        assert (tmp_path / "owner.pid").read_text() == str(os.getpid())
+    finally:
+        release_run(tmp_path)
+    assert not (tmp_path / "owner.pid").exists()
+
+
+def test_claim_run_is_atomic(tmp_path):
+    """Processes claiming one run folder at the same moment: exactly one gets it (the check then
+    write of owner.pid let two in, or crashed one on their shared temp file, 2026-11-29)."""
+    for trial in range(12):  # it let two in about once in eight trials
+        run_dir = tmp_path / str(trial)
+        at = time.time() + 0.4  # all started and waiting by then
+        procs = [_claimer(run_dir, str(at)) for _ in range(3)]
+        try:
+            said = sorted(p.stdout.readline().split()[0] if p.stdout else "" for p in procs)
+        finally:
+            for proc in procs:
+                _end(proc)
+        assert said == ["claimed", "refused", "refused"], said
+
+
+def test_claim_run_takes_over_a_dead_owners_reused_pid(tmp_path):
+    """owner.pid of a dead run naming a live Python process that took its PID since, and does
+    not hold the lock: not an owner (it was refused as "in use")."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 30  # between fork and exec its cmdline is not python's yet
+        while "time.sleep" not in _cmdline(other.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (tmp_path / "owner.pid").write_text(str(other.pid))
+        (tmp_path / "owner.lock").touch()
+        assert run_owner(tmp_path) is None
+        claim_run(tmp_path)
+        release_run(tmp_path)
+    finally:
+        _end(other)
+
+
+def test_claim_run_lock_dies_with_its_process_not_its_children(tmp_path):
+    """A child of the owner (Prefect's server, a reward worker) that outlives it does not keep
+    the run locked: the lock's descriptor is not inherited."""
+    owner = _claimer(tmp_path, "0", "with a child")
+    child = int(owner.stdout.readline().split()[1])
+    try:
+        assert owner.stdout.readline().strip() == "claimed"
+        _end(owner)  # kill -9
+        assert pid_alive(child)
+        assert run_owner(tmp_path) is None
+        claim_run(tmp_path)
+        release_run(tmp_path)
+    finally:
+        stop_processes([child], grace_s=0)
+
+
+def test_claim_run_nests_in_one_process(tmp_path):
+    """The startup and then the flow claim the run in one process; the run stays owned until the
+    outer release."""
+    claim_run(tmp_path)
+    claim_run(tmp_path)
+    release_run(tmp_path)
+    other = _claimer(tmp_path)
+    try:
+        assert other.stdout.readline().startswith(f"refused run folder {tmp_path} is in use by "
+                                                  f"process {os.getpid()}")
+    finally:
+        _end(other)
     assert (tmp_path / "owner.pid").read_text() == str(os.getpid())
+    release_run(tmp_path)
+    release_run(tmp_path)  # one too many: nothing to undo
+    assert not (tmp_path / "owner.pid").exists()
+    other = _claimer(tmp_path)
+    try:
+        assert other.stdout.readline().strip() == "claimed"
+    finally:
+        _end(other)
 
 
 def test_cli_input_parsers(tmp_path):
