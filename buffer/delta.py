@@ -66,14 +66,26 @@ def is_local(uri: str) -> bool:
 
 
 def normalize_uri(uri: str) -> str:
-    """Absolute path for local lakes (``file://`` stripped), the URI unchanged otherwise."""
+    """Absolute path for local lakes (``file://`` stripped), the URI unchanged otherwise; a local
+    path deltalake cannot use is refused (``check_local_path``)."""
     if not uri:
         raise ValueError("lake_uri is empty")
     if uri.startswith("file://"):
         uri = uri[len("file://"):]
     if is_local(uri):
-        return os.path.abspath(os.path.expanduser(uri))
+        path = os.path.abspath(os.path.expanduser(uri))
+        check_local_path(path)
+        return path
     return uri.rstrip("/")
+
+
+def check_local_path(path: str) -> None:
+    """A ValueError for a local lake path holding ``%``: deltalake percent-decodes the paths it
+    is given, also ``file://`` URIs with the ``%`` encoded (``a%20b`` is read and written as
+    ``a b``, deltalake 1.6), so a lake there fails at its first commit or read."""
+    if "%" in path:
+        raise ValueError(f"lake path '{path}' contains '%', which the lake's Delta library reads "
+                         "as an escape (a%20b as 'a b'): use a home or lake_uri without '%'")
 
 
 def sql_literal(value: Any) -> str:

@@ -16,6 +16,7 @@ INSTALL/LOAD, CREATE MACRO...) is refused before it runs with ``SqlRefused``.
 
 Each query runs under a memory limit (DuckDB's ``memory_limit``, no spilling to disk) and a
 timeout (the connection is interrupted): a runaway query ends with an error naming the limit.
+Ctrl-C interrupts the connection too (the query runs on a worker thread: ``interruptible``).
 The Arrow result handed back is outside DuckDB's accounting; ``--max-rows``/``LIMIT`` bound it.
 """
 
@@ -140,6 +141,46 @@ def _as_of_for(as_of: AsOf, table: str) -> int | str | datetime | None:
     return as_of.get(table) if isinstance(as_of, dict) else as_of
 
 
+def interruptible(con: duckdb.DuckDBPyConnection, statement: str) -> pa.Table:
+    """``statement``'s result, run on a worker thread while this one waits: DuckDB holds its
+    calling thread until the query ends, and Python runs its Ctrl-C handler on the main thread
+    only, so Ctrl-C waited for the query (up to ``--timeout``: review, 2026-11-29). A
+    KeyboardInterrupt while waiting interrupts the connection, as the timeout does, and is raised
+    once the query has stopped (the connection cannot close before)."""
+    done: dict[str, object] = {}
+    finished = threading.Event()  # not Thread.join: on 3.11 an interrupted join marks it ended
+
+    def run() -> None:
+        try:
+            done["table"] = con.sql(statement).to_arrow_table()
+        except BaseException as e:  # noqa: BLE001 - raised again on the waiting thread
+            done["error"] = e
+        finally:
+            finished.set()
+
+    threading.Thread(target=run, name="rlake-sql", daemon=True).start()
+    try:
+        finished.wait()  # a lock wait: a signal interrupts it
+    except KeyboardInterrupt:
+        _stop_query(con, finished)
+        raise
+    if "error" in done:
+        raise done["error"]
+    return done["table"]
+
+
+def _stop_query(con: duckdb.DuckDBPyConnection, finished: threading.Event) -> None:
+    """Interrupt ``con`` until its query has stopped (``finished``): an interrupt sent before the
+    query began is lost, so it is sent again; another Ctrl-C meanwhile changes nothing."""
+    while True:
+        con.interrupt()
+        try:
+            if finished.wait(0.05):
+                return
+        except KeyboardInterrupt:
+            pass
+
+
 def sql(lake: Lake, query: str, as_of: AsOf = None, memory_limit: str = DEFAULT_MEMORY_LIMIT,
         timeout_s: float = DEFAULT_TIMEOUT_S) -> pa.Table:
     """Run a read-only ``query`` over the lake's tables; the result as an Arrow table.
@@ -164,7 +205,7 @@ def sql(lake: Lake, query: str, as_of: AsOf = None, memory_limit: str = DEFAULT_
             con.register(table, lake.dataset(table, as_of=_as_of_for(as_of, table)))
         timer.start()
         try:
-            return con.sql(statement).to_arrow_table()
+            return interruptible(con, statement)
         except duckdb.PermissionException as e:
             raise SqlRefused(f"refused: {first_line(e)}; {REFUSED_HINT}") from None
         except duckdb.OutOfMemoryException:

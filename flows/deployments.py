@@ -28,7 +28,7 @@ from prefect import flow
 from buffer import Lake
 from flows.maintenance import lake_maintenance
 from flows.rl import rl_run
-from infra.config import ConfigError, RunConfig, config_differences, config_from_dict
+from infra.config import ConfigError, RunConfig, check_run_id, config_differences, config_from_dict
 from infra.recovery import run_owner
 
 MAINTENANCE = "lake-maintenance"
@@ -40,6 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def scheduled_run(config: dict, run_id: str) -> dict:
     """Start ``run_id`` if the lake has never seen it, continue it if it is unfinished, else
     nothing (it is complete)."""
+    # a spec recorded before ``rlake deploy`` checked --run-id: '../../x y' made the run's
+    # folder outside the home (review, 2026-11-29)
+    check_run_id(run_id)
     cfg = config_from_dict(config)
     row = Lake(cfg.resolved_lake_uri, cfg.storage_options or None).get_run(run_id)
     check_recorded_config(cfg, run_id, row)

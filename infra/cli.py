@@ -1,6 +1,7 @@
 """The ``rlake`` command line: run, resume, status, sql (and lake maintenance); replay, lineage,
 report, deploy, serve (infra/ops_cli.py)."""
 
+# ruff: noqa: E402 - the third-party and rlake imports come after the Ctrl-C guard (_guard_imports)
 from __future__ import annotations
 
 import signal
@@ -9,13 +10,35 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
+
+def _interrupted_while_importing(signum: int, frame: object) -> None:  # noqa: ARG001 - signal handler
+    """Ctrl-C while this module imports (typer, rich, the lake: about a second), before ``main``
+    handles it: the line and exit status of a later Ctrl-C, not a traceback (review, 2026-11-29).
+    SystemExit, not KeyboardInterrupt: nothing on the way out prints it."""
+    print("interrupted", flush=True)
+    raise SystemExit(130)
+
+
+def _guard_imports() -> Callable[[int, object], object] | int | None:
+    """Install ``_interrupted_while_importing`` in place of Python's own Ctrl-C handler (another,
+    or an ignored SIGINT, is left alone); returns the handler to put back (None: nothing to)."""
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            return signal.signal(signal.SIGINT, _interrupted_while_importing)
+    except ValueError:  # imported outside the main thread: signals cannot be set there
+        pass
+    return None
+
+
+_SIGINT_BEFORE_IMPORTS = _guard_imports()
+
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from infra import quick_exit
 from infra.config import load_config
-from infra.lake_cli import lake_app, sql_command
+from infra.lake_cli import check_lake, lake_app, sql_command
 from infra.ui_cli import ui_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -39,8 +62,9 @@ def run(config: Annotated[Path | None, typer.Argument(help="YAML config")] = Non
     cfg = load_config(config, set_ or [])
     from infra.progress import run_with_progress
 
-    summary = run_with_progress(cfg, run_id or cfg.run_id, resume=False, console=console,
-                                debug=STATE["debug"], started=_resumable(cfg))
+    # `is not None`: --run-id "" (an unset $ID) is refused, not taken as no id (review, 2026-11-29)
+    summary = run_with_progress(cfg, run_id if run_id is not None else cfg.run_id, resume=False,
+                                console=console, debug=STATE["debug"], started=_resumable(cfg))
     _print_summary(summary)
 
 
@@ -81,6 +105,8 @@ def status(run_id: Annotated[str | None, typer.Argument()] = None, home: HomeOpt
 
     if lake_uri is None and not Path(home).is_dir():  # not "no runs": a typo in the path
         raise ValueError(f"no rlake home at {home} (--home): the folder does not exist")
+    if lake_uri is not None:  # as `sql --lake`: a typo (or a home) read as a lake of no runs
+        check_lake(lake_uri)
     show_status(console, lake_uri or str(Path(home) / "lake"), run_id, home)
 
 
@@ -140,12 +166,18 @@ def exit_code(result: object) -> int:
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 
+def _command_name() -> str:
+    """The command given (``run``, ``status``...): the first argument that is not an option."""
+    return next((a for a in sys.argv[1:] if not a.startswith("-")), "")
+
+
 def _interrupted() -> None:
-    command = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
+    command = _command_name()
     resume = STATE.get("resume_command", "rlake resume RUN_ID")  # RUN_ID: stopped before it had one
-    hint = (f": `{resume}` continues from the last completed iteration"
+    hint = (f": `{escape(resume)}` continues from the last completed iteration"
             if command in ("run", "resume") else "")
-    console.print(f"[yellow]interrupted[/]{hint}")
+    # soft_wrap: the command stays on one line, to be copied as it is
+    console.print(f"[yellow]interrupted[/]{hint}", soft_wrap=True, highlight=False)
 
 
 def _click_errors(name: str) -> tuple[type, ...]:
@@ -171,10 +203,16 @@ def _fail(err: BaseException) -> int:
         err_console.print_exception()
     else:
         # soft_wrap: the message stays one line however long (a path, a URI)
-        err_console.print(f"[bold red]error:[/] {escape(str(err))}  (--debug for the traceback)",
+        # --debug is an option of rlake, not of the command: where a user adds it (the end of
+        # the line) it was a usage error (review, 2026-11-29)
+        debug = escape(f"rlake --debug {_command_name() or 'COMMAND'} ...")
+        err_console.print(f"[bold red]error:[/] {escape(str(err))}  ({debug} for the traceback)",
                           soft_wrap=True, highlight=False)
     return 1
 
+
+if _SIGINT_BEFORE_IMPORTS is not None:  # imported: ``main`` (or the importer) handles Ctrl-C now
+    signal.signal(signal.SIGINT, _SIGINT_BEFORE_IMPORTS)
 
 if __name__ == "__main__":
     main()

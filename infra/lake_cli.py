@@ -53,6 +53,13 @@ def open_lake(lake: str | None, storage_option: list[str] | None) -> Lake:
     show empty tables, as if a typo in the path were an empty lake)."""
     uri = lake or os.environ.get("RLAKE_LAKE_URI") or DEFAULT_LAKE
     options = parse_storage_options(storage_option)
+    check_lake(uri)
+    return Lake(uri, storage_options=options)
+
+
+def check_lake(uri: str) -> None:
+    """Refuse (exit 2) a local ``uri`` that is no lake: a missing folder, or one holding none of
+    the tables (an object-store URI is not checked here)."""
     local = uri.removeprefix("file://") if uri.startswith("file://") or "://" not in uri else None
     if local is not None and not Path(local).is_dir():
         _fail(f"no lake at {uri} (--lake / RLAKE_LAKE_URI): the folder does not exist")
@@ -61,7 +68,6 @@ def open_lake(lake: str | None, storage_option: list[str] | None) -> Lake:
         hint = f"; its lake is {Path(local) / 'lake'}" if (Path(local) / "lake").is_dir() else ""
         _fail(f"no lake at {uri} (--lake / RLAKE_LAKE_URI): the folder holds none of the tables "
               f"{', '.join(TABLES)}{hint}")
-    return Lake(uri, storage_options=options)
 
 
 def inside_local_lake(path: Path, lake_uri: str) -> bool:
@@ -72,6 +78,17 @@ def inside_local_lake(path: Path, lake_uri: str) -> bool:
     if not is_local(uri):
         return False
     return path.resolve().is_relative_to(Path(local_path(uri)).resolve())
+
+
+def check_out(out: Path, lake: str) -> None:
+    """Refuse (exit 2) an ``--out`` that is a folder or lies inside the local lake ``lake``,
+    before any work (``rlake sql``, ``rlake report``)."""
+    if out.is_dir():
+        _fail(f"--out {out}: is a folder, not a file")
+    if inside_local_lake(out, lake):
+        # a Parquet file written over a data file lost its rows; a JSON or HTML one in
+        # _delta_log became a commit (review, 2026-11-29)
+        _fail(f"--out {out}: is inside the lake ({lake}); write it elsewhere")
 
 
 def _fail(message: str) -> None:
@@ -106,12 +123,8 @@ def sql_command(
         _fail("--format parquet needs --out FILE")
     if out is not None and not out.parent.is_dir():  # before the query, not after it ran
         _fail(f"--out {out}: the folder {out.parent} does not exist")
-    if out is not None and out.is_dir():
-        _fail(f"--out {out}: is a folder, not a file")
-    if out is not None and inside_local_lake(out, lake):
-        # a Parquet file written over a data file lost its rows; a JSON one in _delta_log
-        # became a commit (review, 2026-11-29)
-        _fail(f"--out {out}: is inside the lake ({lake}); write the result elsewhere")
+    if out is not None:
+        check_out(out, lake)
     try:
         result = sql(open_lake(lake, storage_option), query, as_of=as_of, memory_limit=memory_limit,
                      timeout_s=timeout)

@@ -39,12 +39,13 @@ def version_lineage(lake: Lake, run_id: str, version: int, checkpoint_root: Path
     steps = lake.read("train_steps", run_id=run_id, columns=[
         "step", "iteration", "base_version", "weight_version", "lake_version", "sample_uids",
         "n_samples"]).to_pylist()
+    # before version 0's answer: it was given (exit 0) for any run id or home (review, 2026-11-29)
+    if not steps and lake.get_run(run_id) is None:
+        raise ValueError(f"no run '{run_id}' in the lake at {lake.uri}")
     if version == 0 and not any(s["weight_version"] == 0 for s in steps):
         return {"version": 0, "steps": [], "samples": [], "generated_by": {},
                 "ancestry": [], "note": "version 0 is the starting policy (SFT warm-up or base model)"}
     mine = [s for s in steps if s["weight_version"] == version]
-    if not steps and lake.get_run(run_id) is None:
-        raise ValueError(f"no run '{run_id}' in the lake at {lake.uri}")
     if not mine:
         known = sorted({s["weight_version"] for s in steps})
         raise ValueError(f"run '{run_id}' has no train step producing weight version {version}; "

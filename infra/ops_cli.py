@@ -89,8 +89,12 @@ def register(app: typer.Typer, debug: Callable[[], bool] = lambda: False) -> Non
                home: HomeOpt = "./rlake-home",
                lake_uri: Annotated[str | None, typer.Option("--lake-uri")] = None) -> None:
         """HTML report + PNG figures of a run, from the lake."""
+        from infra.lake_cli import check_out
         from infra.report import write_report
 
+        # the figures go beside the HTML (OUT-reward.png ...): checking OUT covers them too; a
+        # folder got five PNGs beside it before failing (review, 2026-11-29)
+        check_out(out, lake_uri or str(Path(home) / "lake"))
         for path in write_report(_lake(home, lake_uri), run_id, out):
             console.print(f"wrote {path}")
 
@@ -106,9 +110,11 @@ def register(app: typer.Typer, debug: Callable[[], bool] = lambda: False) -> Non
 
         cfg = load_config(config, set_ or [])
         from flows.deployments import check_recorded_config, save_spec
-        from infra.startup import get_run_row, open_lake
+        from infra.startup import check_new_run_id, get_run_row, open_lake
 
-        run = run_id or cfg.run_id or name
+        if run_id is not None:  # '../../x y' made serve write outside the home (review, 2026-11-29)
+            check_new_run_id(run_id)
+        run = run_id if run_id is not None else cfg.run_id or name
         row = get_run_row(open_lake(cfg), cfg, run)
         check_recorded_config(cfg, run, row)  # fail now, not at every tick
         if row is not None and row["status"] == "completed":

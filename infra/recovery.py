@@ -10,15 +10,19 @@
   unless it did start (the lake says its iteration committed, or it has task runs) and only its
   Running state, sent from a background thread, was lost with the process: that one is marked
   Crashed like the others.
-- Two processes must not drive one run: ``claim_run`` writes ``owner.pid`` in the run folder and
-  refuses when a live process already holds it.
+- Two processes must not drive one run: ``claim_run`` takes an exclusive flock on ``owner.lock``
+  in the run folder (the kernel drops it when its process dies: a PID reused since is no
+  owner), writes its PID into ``owner.pid`` for messages, and refuses when another process
+  holds the lock.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -121,33 +125,122 @@ def stop_processes(pids: list[int], grace_s: float = 5.0) -> list[int]:
     return pids
 
 
+# the run lock (``claim_run``): an exclusive flock on this file in the run folder, held by the
+# owning process while it drives the run; the kernel drops it when that process dies, so a dead
+# owner never blocks a resume, whatever process its PID names later. The file stays (deleting a
+# locked file lets two processes lock two files of one name). ``owner.pid`` beside it only names
+# the holder, for messages and for people.
+LOCK_FILE = "owner.lock"
+OWNER_FILE = "owner.pid"
+# how long a claim retries a taken lock before refusing: ``run_owner``'s probe (another process's
+# `rlake status`) holds it for microseconds; a real owner holds it for the run's lifetime
+CLAIM_RETRY_S = 0.25
+# how long ``run_owner`` waits for a new holder to write its PID (it does so right after locking)
+OWNER_PID_WAIT_S = 2.0
+# this process's claims: resolved run folder -> [lock file descriptor, claim count]. A run is
+# claimed twice in one process (``infra.startup.prepared_run``, then the flow's
+# ``flows.durability.owned_run``): a second flock on a new descriptor would conflict with the
+# first, so nested claims count instead, and the last release unlocks.
+_HELD: dict[Path, list[int]] = {}
+_HELD_LOCK = threading.Lock()
+
+
+def _try_flock(fd: int, mode: int) -> bool:
+    """Take a flock of ``mode`` on ``fd`` without waiting; False when another holds it."""
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _recorded_owner(run_dir: Path, wait_s: float) -> int:
+    """The PID in ``owner.pid``; 0 when none is written within ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        text = _read(run_dir / OWNER_FILE).decode(errors="replace").strip()
+        if text.isdigit() or time.monotonic() >= deadline:
+            return int(text) if text.isdigit() else 0
+        time.sleep(0.01)
+
+
 def run_owner(run_dir: Path) -> int | None:
-    """The PID of another live (Python) process that owns the run folder, or None."""
-    lock = run_dir / "owner.pid"
-    text = lock.read_text().strip() if lock.exists() else ""
-    if text.isdigit() and int(text) != os.getpid() and pid_alive(int(text)) \
-            and "python" in _cmdline(int(text)):
-        return int(text)
-    return None
+    """The PID of another live process that owns the run folder (holds its lock), or None.
+
+    0 when the lock is held but its holder wrote no PID (should not happen: it writes it right
+    after locking)."""
+    if Path(run_dir).resolve() in _HELD:
+        return None
+    try:  # O_CLOEXEC (Python's default too): no child of ours keeps the probe
+        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:  # never claimed (or by a version before the lock)
+        return None
+    try:
+        if _try_flock(fd, fcntl.LOCK_SH):  # a shared probe: never blocks another probe
+            return None
+    finally:
+        os.close(fd)  # releases the probe's lock
+    return _recorded_owner(Path(run_dir), OWNER_PID_WAIT_S)
+
+
+def _write_owner(run_dir: Path) -> None:
+    """``owner.pid`` := this PID, atomically (a temp file of this process's own, renamed)."""
+    tmp = run_dir / f"{OWNER_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(str(os.getpid()))
+    tmp.replace(run_dir / OWNER_FILE)
+
+
+def _lock_run(run_dir: Path) -> int:
+    """This process's exclusive lock on the run folder, as its descriptor (kept open: the lock
+    lives as long as it); a ValueError naming the owner when another process holds it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # O_CLOEXEC: a child that execs (Prefect's server, reward workers, the rollout process under
+    # multiprocessing's spawn) does not share the lock, so it ends with this process
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    deadline = time.monotonic() + CLAIM_RETRY_S
+    while not _try_flock(fd, fcntl.LOCK_EX):
+        if time.monotonic() >= deadline:
+            os.close(fd)
+            owner = _recorded_owner(run_dir, OWNER_PID_WAIT_S)
+            holder = f"process {owner}" if owner else "another process"
+            raise ValueError(f"run folder {run_dir} is in use by {holder} "
+                             "(stop it first, or wait for it to finish)")
+        time.sleep(0.02)
+    return fd
 
 
 def claim_run(run_dir: Path) -> None:
-    """Record this process as the run's owner; a ValueError if a live process already owns it."""
-    lock = run_dir / "owner.pid"
-    owner = run_owner(run_dir)
-    if owner is not None:
-        raise ValueError(f"run folder {run_dir} is in use by process {owner} "
-                         "(stop it first, or wait for it to finish)")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = lock.with_suffix(".tmp")
-    tmp.write_text(str(os.getpid()))
-    tmp.replace(lock)
+    """Make this process the run's owner until ``release_run`` (or its death); a ValueError if
+    another live process owns it. Claiming a run this process owns already nests."""
+    key = Path(run_dir).resolve()
+    with _HELD_LOCK:
+        if key in _HELD:
+            _HELD[key][1] += 1
+            return
+        fd = _lock_run(Path(run_dir))
+        try:
+            _write_owner(Path(run_dir))
+        except BaseException:
+            os.close(fd)
+            raise
+        _HELD[key] = [fd, 1]
 
 
 def release_run(run_dir: Path) -> None:
-    lock = run_dir / "owner.pid"
-    if lock.exists() and lock.read_text().strip() == str(os.getpid()):
-        lock.unlink(missing_ok=True)
+    """Undo one ``claim_run``: the last one removes ``owner.pid`` and unlocks the run folder."""
+    key = Path(run_dir).resolve()
+    with _HELD_LOCK:
+        held = _HELD.get(key)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] > 0:
+            return
+        del _HELD[key]
+        lock = Path(run_dir) / OWNER_FILE
+        if _read(lock).decode(errors="replace").strip() == str(os.getpid()):
+            lock.unlink(missing_ok=True)
+        os.close(held[0])  # closing the (only) descriptor releases the flock
 
 
 def mark_crashed(run_id: str, exclude: set[str] | None = None) -> list[str]:

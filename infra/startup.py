@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shlex
 import sys
 import tempfile
 import uuid
@@ -192,13 +193,14 @@ def get_run_row(lake, cfg: RunConfig, run_id: str) -> dict | None:
 
 
 def resume_command(run_id: str, cfg: RunConfig) -> str:
-    """The command that continues ``run_id`` (the options it needs, no more)."""
-    cmd = f"rlake resume {run_id}"
+    """The command that continues ``run_id`` (the options it needs, no more), shell-quoted: a
+    home with a space gave a command that did not run as printed (review, 2026-11-29)."""
+    args = ["rlake", "resume", run_id]
     if cfg.home != DEFAULT_HOME:
-        cmd += f" --home {cfg.home}"
+        args += ["--home", str(cfg.home)]
     if cfg.lake_uri:
-        cmd += f" --lake {cfg.lake_uri}"
-    return cmd
+        args += ["--lake", str(cfg.lake_uri)]
+    return shlex.join(args)
 
 
 def refuse_existing(lake, cfg: RunConfig, run_id: str) -> None:
@@ -323,7 +325,8 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool) -> Iterator[s
         if changed:
             raise StartupError(f"run '{run_id}': {changed}")
     else:
-        run_id = run_id or cfg.run_id or new_run_id()
+        if run_id is None:  # --run-id "" is refused, not a made-up id (review, 2026-11-29)
+            run_id = cfg.run_id or new_run_id()
         check_new_run_id(run_id)
         refuse_existing(lake, cfg, run_id)
     run_dir = home / "runs" / run_id

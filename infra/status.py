@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
+from rich.table import Column, Table
 
 from buffer import Lake
 from infra.recovery import run_owner
@@ -38,7 +40,10 @@ def _list_runs(console: Console, lake: Lake, home: str | None) -> None:
         console.print(f"no runs in the lake at {lake.uri}")
         return
     steps = lake.read("train_steps", columns=["run_id", "iteration", "weight_version"]).to_pylist()
-    table = Table("run_id", "status", "iterations", "weight version", "updated", title="rlake runs")
+    # the id is what a user copies (status RUN_ID, resume RUN_ID): never cut to "20261129-1017…"
+    # in 80 columns or a pipe (review, 2026-11-29); the other columns wrap instead
+    table = Table(Column("run_id", no_wrap=True, min_width=max(len(r["run_id"]) for r in runs)),
+                  "status", "iterations", "weight version", "updated", title="rlake runs")
     for run in sorted(runs, key=lambda r: str(r.get("created_at"))):
         mine = [s for s in steps if s["run_id"] == run["run_id"]]
         table.add_row(run["run_id"], shown_status(run, home), str(len(mine)),
@@ -56,7 +61,10 @@ def _show_run(console: Console, lake: Lake, run_id: str, home: str | None) -> No
     status = shown_status(run, home)
     console.print(f"[bold]{run_id}[/]  status: {status}  MLflow run: {run.get('mlflow_run_id')}")
     if status == "interrupted":
-        console.print(f"  no live process owns it (killed?): rlake resume {run_id} --home {home}")
+        resume = shlex.join(["rlake", "resume", run_id, "--home", str(home)])  # a home with a space
+        # soft_wrap: one line, to be copied as it is
+        console.print(f"  no live process owns it (killed?): {escape(resume)}", highlight=False,
+                      soft_wrap=True)
     start = "after SFT"
     if run.get("replay_of"):
         asked = json.loads(run.get("notes") or "{}")

@@ -11,7 +11,9 @@ version with no checkpoint rebuilds it the same way.
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
 import signal
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from infra.checkpoints import checkpoint_due, prunable, rebuild_chain, saved_ver
 from infra.recovery import run_tag
 from tests.opshelp import TINY, cli_env, rlake, shared_prefect_server, tail
 from tests.trainer_fixtures import build_model, make_batch, params, trainer
-from trainers.checkpoint import CheckpointWriteError, Snapshot, cpu_copy, write_snapshot
+from trainers.checkpoint import CheckpointWriteError, CheckpointWriter, Snapshot, cpu_copy, write_snapshot
 from trainers.torch_trainer import STATE_FILE
 
 REWARDS = [1.0, 0.0, 0.5, 0.25]
@@ -128,6 +130,39 @@ def test_a_failed_background_write_surfaces_at_the_next_save(model_dir, tmp_path
     assert not (tmp_path / "v000002").exists()  # the failed run stops there
     tr.save(str(tmp_path / "v000002"))  # the error was reported once; the writer works again
     assert (tmp_path / "v000002" / "model.safetensors").exists()
+
+
+class _FailingModel:
+    """A model whose save fails with ``error`` (what torch.save / safetensors raise)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def save_pretrained(self, folder: Path, state_dict: dict) -> None:
+        folder.mkdir(parents=True)
+        raise self.error
+
+
+@pytest.mark.parametrize(("error", "free", "noted"), [
+    # a full disk as torch.save reports it: no errno, only the free space tells
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"), 1000, True),
+    (OSError(errno.ENOSPC, "No space left on device"), 10**12, True),  # said: noted whatever df says
+    (RuntimeError("something else"), 10**12, False),  # room enough: not blamed on space
+])
+def test_a_write_failed_for_want_of_space_says_so(tmp_path, monkeypatch, error, free, noted):
+    """``write failed: RuntimeError('[enforce fail at inline_container.cc:672] . unexpected
+    pos ...')`` did not say the disk was full (review, 2026-11-29)."""
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 0, free))
+    snap = Snapshot(_FailingModel(error), {"w": torch.zeros(1000)}, {}, {"config.json": b"{}"}, 1)
+    writer = CheckpointWriter()
+    writer.submit(tmp_path / "v000001", snap, background=True)
+    with pytest.raises(CheckpointWriteError) as caught:
+        writer.wait()
+    message = str(caught.value)
+    assert message.startswith(f"checkpoint {tmp_path / 'v000001'}: write failed")
+    note = f"(no space left on the device? {free:,} bytes free at {tmp_path}, the checkpoint needs about 4,002)"
+    assert (note in message) == noted, message
+    assert repr(error) in message
 
 
 # ---- end to end: save_interval, kill -9, resume by re-training from the lake ----

@@ -56,7 +56,8 @@ def test_failure_is_one_line_and_non_zero_traceback_only_with_debug(home, entry)
     res = rlake("status", "nope", "--home", str(home), entry=entry)
     assert res.returncode == 1, res.stdout
     assert res.stderr.strip().splitlines() == [
-        f"error: no run 'nope' in the lake at {home / 'lake'}  (--debug for the traceback)"]
+        f"error: no run 'nope' in the lake at {home / 'lake'}  (rlake --debug status ... for the "
+        "traceback)"]  # --debug after the command is a usage error (review, 2026-11-29)
     res = rlake("--debug", "status", "nope", "--home", str(home), entry=entry)
     assert res.returncode == 1
     assert "Traceback" in res.stderr and "ValueError: no run 'nope'" in res.stderr
@@ -92,6 +93,36 @@ def test_report_and_lineage(home, tmp_path):
     assert json.loads(res.stdout)["version"] == 2
     res = rlake("lineage", "r", "--version", "9", "--home", str(home))
     assert res.returncode == 1 and "error:" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_lineage_of_version_0_needs_the_run(home, tmp_path):
+    """Version 0's answer ("the starting policy", exit 0) came before the check that the run
+    exists: any run id or home was accepted (review, 2026-11-29)."""
+    from infra.lineage import version_lineage
+
+    for lake, run_id in ((Lake(str(tmp_path / "no-such-home" / "lake")), "r"),
+                         (Lake(str(home / "lake")), "nope")):
+        with pytest.raises(ValueError, match=f"no run '{run_id}' in the lake"):
+            version_lineage(lake, run_id, 0)
+    assert "starting policy" in version_lineage(Lake(str(home / "lake")), "r", 0)["note"]
+
+
+def test_report_out_inside_the_lake_or_a_folder_is_refused_before_drawing(home, tmp_path):
+    """``report --out`` in a _delta_log overwrote a Delta commit with HTML (``sql --out`` refuses
+    it); ``--out FOLDER`` wrote five PNGs beside the folder, then failed (review, 2026-11-29)."""
+    import shutil
+
+    copy = tmp_path / "home"
+    shutil.copytree(home, copy)  # the module's home stays intact if the refusal is broken
+    commit = copy / "lake" / "runs" / "_delta_log" / "00000000000000000099.json"
+    res = rlake("report", "r", "--home", str(copy), "--out", str(commit))
+    assert res.returncode == 2 and "is inside the lake" in res.stderr, (res.stdout, res.stderr)
+    assert not commit.exists() and not list(commit.parent.glob("*.png"))
+    folder = tmp_path / "out"
+    folder.mkdir()
+    res = rlake("report", "r", "--home", str(copy), "--out", str(folder))
+    assert res.returncode == 2 and f"--out {folder}: is a folder, not a file" in res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "out"] and not any(folder.iterdir())
 
 
 def test_replay_config_errors_before_anything_starts(home, tmp_path):
@@ -336,3 +367,48 @@ def test_tty_run_output_is_clean_and_its_commands_run_without_the_venv(tmp_path)
         res = subprocess.run(shlex.split(command), env=bare, capture_output=True, text=True,
                              timeout=300, cwd=tmp_path)
         assert res.returncode == 0 and expect in res.stdout, (command, res.stdout, res.stderr)
+
+
+def test_status_shows_whole_run_ids_and_a_quoted_resume_command(tmp_path):
+    """In 80 columns (or a pipe) the run list cut ``20261129-101716-b51b89`` to
+    ``20261129-1017…``; an interrupted run's resume command was not shell-quoted (review,
+    2026-11-29)."""
+    import io
+    import shlex
+
+    from rich.console import Console
+
+    from infra.status import show_status
+
+    home = tmp_path / "home with space"
+    lake = Lake(str(home / "lake"))
+    run_id = "20261129-101716-b51b89"
+    lake.upsert_run({"run_id": run_id, "status": "running"})
+    (home / "runs" / run_id).mkdir(parents=True)  # no owner.pid: shown as interrupted
+    out = io.StringIO()
+    console = Console(file=out, width=80)
+    show_status(console, lake.uri, None, str(home))
+    assert run_id in out.getvalue(), out.getvalue()
+    show_status(console, lake.uri, run_id, str(home))
+    hint = next(x for x in out.getvalue().splitlines() if "no live process owns it" in x)
+    assert shlex.split(hint.split("(killed?): ")[1]) == ["rlake", "resume", run_id, "--home", str(home)]
+
+
+def test_ctrl_c_while_the_cli_imports_is_one_line_and_130():
+    """A Ctrl-C in a command's first second (``infra.cli`` importing typer, the lake...) printed a
+    traceback: main's handler was not set up yet (review, 2026-11-29). Here SIGINT arrives while
+    typer is imported, as the console script imports ``infra.cli``."""
+    code = ("import builtins, os, signal, sys\n"
+            "real = builtins.__import__\n"
+            "def importing(name, *args, **kwargs):\n"
+            "    if name == 'typer':\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "    return real(name, *args, **kwargs)\n"
+            "builtins.__import__ = importing\n"
+            "sys.argv = ['rlake', 'status']\n"
+            "from infra.cli import main\n"
+            "print('imported')\n"
+            "sys.exit(main())\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (res.returncode, res.stdout, res.stderr) == (130, "interrupted\n", "")

@@ -105,3 +105,23 @@ def test_serve_then_deploy_interval_runs_it_and_stops_cleanly(tmp_path):
     assert "Prefect server stopped" in (tmp_path / "serve.log").read_text()
     assert not pid_alive(server_pid), "the Prefect server outlived `rlake serve`"
     assert leftovers == [], f"processes left running: {leftovers}"
+
+
+def test_deploy_refuses_a_run_id_outside_the_home(tmp_path):
+    """``--run-id '../../x y'`` was recorded, and serve's first tick made the run's folder outside
+    the home (review, 2026-11-29): refused by ``rlake deploy``, and again by the flow (a spec
+    recorded before the check)."""
+    import pytest
+
+    from flows.deployments import scheduled_run
+    from infra.config import RunConfig
+    from tests.conftest import run_cli
+
+    for bad in ("../../x y", ""):
+        res = run_cli(["deploy", "configs/quickstart.yaml", "--name", "dep1", "--interval", "20",
+                       "--set", f"home={tmp_path}", "--run-id", bad], check=False, timeout=300)
+        assert res.returncode == 1 and f"--run-id: run id '{bad}' is not allowed" in res.stderr, res.stderr
+    assert not (tmp_path / "deployments").exists()
+    with pytest.raises(ValueError, match="run id '../../x y' is not allowed"):
+        scheduled_run.fn(RunConfig(home=str(tmp_path)).model_dump(), "../../x y")
+    assert not (tmp_path / "runs").exists() and not (tmp_path.parent / "x y").exists()

@@ -33,6 +33,17 @@ def test_every_column_is_documented():
             assert field.metadata[b"doc"].strip(), f"{name}.{field.name} has no doc"
 
 
+@pytest.mark.parametrize("form", ["{}", "file://{}"])
+def test_a_local_lake_path_with_a_percent_is_refused(tmp_path, form):
+    """deltalake percent-decodes local paths (``a%20b`` read as ``a b``): a home holding ``%``
+    wrote the run row and failed at its first read (review, 2026-11-29). Refused up front, before
+    anything is written."""
+    folder = tmp_path / "a%20b"
+    with pytest.raises(ValueError, match=f"lake path '{folder}/lake' contains '%'"):
+        Lake(form.format(folder / "lake"))
+    assert not folder.exists()
+
+
 def test_sample_to_row_round_trips_through_the_lake(lake):
     s = Sample(group_index=1, index=3, prompt="1+1=", prompt_token_ids=[5, 6], label="2",
                response="2", response_token_ids=[7], rollout_log_probs=[-0.5], loss_mask=[1],

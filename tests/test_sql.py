@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -89,6 +93,21 @@ def test_memory_limit_and_timeout(lake):
                timeout_s=60).column("n").to_pylist() == [16]
 
 
+def test_ctrl_c_stops_a_running_query(lake):
+    """Ctrl-C during a query ends it at once: DuckDB held the main thread, where Python runs its
+    handler, until the query's end (``--timeout``, 300 s by default: review, 2026-11-29)."""
+    ctrl_c = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    start = time.monotonic()
+    ctrl_c.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sql(lake, "SELECT count(*) FROM range(100000000000) a WHERE a.range % 7 = 3", timeout_s=15)
+    finally:
+        ctrl_c.cancel()
+    assert time.monotonic() - start < 5
+    assert sql(lake, "SELECT count(*) AS n FROM trajectories").column("n").to_pylist() == [16]
+
+
 @pytest.mark.parametrize("query", [
     "SELECT * FROM read_parquet('{root}/trajectories/**/*.parquet')",
     "SELECT * FROM read_csv('/etc/hostname')",
@@ -158,7 +177,8 @@ def test_cli_sql_failures_exit_non_zero_with_one_line(lake, args, code, message)
 
 
 def test_cli_missing_lake_folder_is_an_error(tmp_path):
-    for args in (["sql", "SELECT count(*) FROM trajectories"], ["lake", "history"]):
+    # status --lake said "no runs" and exited 0 (review, 2026-11-29)
+    for args in (["sql", "SELECT count(*) FROM trajectories"], ["lake", "history"], ["status"]):
         res = rlake(*args, "--lake", str(tmp_path / "typo"))
         assert res.returncode == 2, res.stdout
         assert f"no lake at {tmp_path / 'typo'}" in res.stderr and "does not exist" in res.stderr
@@ -169,9 +189,11 @@ def test_cli_a_folder_that_is_not_a_lake_is_an_error(lake, tmp_path):
     home = tmp_path / "home"
     (home / "lake").mkdir(parents=True)
     for folder, hint in ((home, f"its lake is {home / 'lake'}"), (home / "lake", "holds none")):
-        res = rlake("sql", "SELECT count(*) FROM trajectories", "--lake", str(folder))
-        assert res.returncode == 2, res.stdout
-        assert f"no lake at {folder}" in res.stderr and hint in res.stderr
+        for args in (["sql", "SELECT count(*) FROM trajectories"], ["status"]):
+            res = rlake(*args, "--lake", str(folder))
+            assert res.returncode == 2, res.stdout
+            assert f"no lake at {folder}" in res.stderr and hint in res.stderr
+    assert rlake("status", "--lake", lake.uri).returncode == 0
     assert rlake("sql", "SELECT count(*) FROM trajectories", "--lake", lake.uri).returncode == 0
     res = rlake("status", "--home", str(tmp_path / "typo"))
     assert res.returncode == 1 and f"no rlake home at {tmp_path / 'typo'}" in res.stderr
@@ -257,3 +279,32 @@ def test_lineage_after_compaction_and_vacuum(lake):
         return sorted(info["samples"], key=lambda s: s["sample_uid"])
 
     assert by_uid(after) == by_uid(before)
+
+
+def test_output_renames_duplicate_column_names(tmp_path):
+    """A join's ``t.weight_version, s.weight_version``: the table showed the last column's values
+    under both headers, JSON dropped one, CSV failed (review, 2026-11-29)."""
+    import pyarrow as pa
+
+    from buffer.output import render
+
+    t = pa.table([pa.array([1, 2]), pa.array([2, 3]), pa.array([9, 9])], names=["v", "v", "v_1"])
+    lines = render(t, "table").splitlines()
+    assert lines[0].split(" | ") == ["v", "v_1", "v_1_1"] and lines[2].split(" | ") == ["1", "2  ", "9    "]
+    assert [json.loads(x) for x in render(t, "json").splitlines()] == [
+        {"v": 1, "v_1": 2, "v_1_1": 9}, {"v": 2, "v_1": 3, "v_1_1": 9}]
+    assert render(t, "csv").splitlines() == ['"v","v_1","v_1_1"', "1,2,9", "2,3,9"]
+    render(t, "parquet", tmp_path / "o.parquet")
+    assert pq.read_table(tmp_path / "o.parquet").column_names == ["v", "v_1", "v_1_1"]
+
+
+def test_output_json_writes_non_finite_floats_as_null():
+    """``--format json`` wrote NaN and Infinity, which are not JSON (review, 2026-11-29)."""
+    import pyarrow as pa
+
+    from buffer.output import render
+
+    t = pa.table({"x": [float("nan"), float("inf"), 1.5], "xs": [[float("-inf"), 2.0], None, []]})
+    text = render(t, "json")
+    assert [json.loads(x, parse_constant=pytest.fail) for x in text.splitlines()] == [
+        {"x": None, "xs": [None, 2.0]}, {"x": None, "xs": None}, {"x": 1.5, "xs": []}]

@@ -399,3 +399,46 @@ def test_resume_refuses_a_prompt_file_changed_since_the_run_started(tmp_path):
     prompts.write_text(original)
     done = rlake(["resume", "data", "--home", str(home)], cli_env(None), tmp_path / "again.log")
     assert done.returncode == 0, tail(tmp_path / "again.log")
+
+
+def test_resume_command_is_shell_quoted(tmp_path):
+    """A home with a space gave a printed `rlake resume` that did not run (review, 2026-11-29)."""
+    import shlex
+
+    from infra.config import RunConfig
+    from infra.startup import resume_command
+
+    home = str(tmp_path / "home with space")
+    cmd = resume_command("r1", RunConfig(home=home, lake_uri="/x/my lake"))
+    assert shlex.split(cmd) == ["rlake", "resume", "r1", "--home", home, "--lake", "/x/my lake"]
+    assert resume_command("r1", RunConfig()) == "rlake resume r1"
+
+
+def test_an_empty_run_id_is_refused(tmp_path):
+    """``--run-id ""`` (an unset ``$ID``) started a run under a made-up id (review, 2026-11-29)."""
+    from tests.conftest import run_cli
+
+    res = run_cli(["run", "--set", f"home={tmp_path}", "--run-id", ""], check=False, timeout=300)
+    assert res.returncode == 1 and "--run-id: run id '' is not allowed" in res.stderr, res.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_a_new_run_names_its_id_before_it_is_recorded(monkeypatch):
+    """A Ctrl-C during start-up (run recorded, runtime starting) printed ``rlake resume RUN_ID``:
+    ``started`` ran only once the run was prepared (review, 2026-11-29)."""
+    import infra.startup
+    from infra.config import RunConfig
+    from infra.progress import run_with_progress
+
+    seen = []
+
+    def interrupted_start(cfg, run_id, resume):  # Ctrl-C while the run is prepared
+        seen.append(("prepared", run_id))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(infra.startup, "prepared_run", interrupted_start)
+    with pytest.raises(KeyboardInterrupt):
+        run_with_progress(RunConfig(), None, resume=False, console=None,
+                          started=lambda run_id: seen.append(("started", run_id)))
+    assert [s[0] for s in seen] == ["started", "prepared"] and seen[0][1] == seen[1][1]
+    assert seen[0][1] is not None

@@ -16,6 +16,7 @@ for AdamW) until it is written.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import threading
@@ -122,13 +123,60 @@ def write_snapshot(snap: Snapshot, final: Path, hold: bool = False) -> None:
     fsync_dir(final.parent)
 
 
+def snapshot_bytes(snap: Snapshot) -> int:
+    """About the bytes ``snap`` takes on disk: its tensors' data and its files."""
+    seen: set[int] = set()
+
+    def size(obj: Any) -> int:
+        if isinstance(obj, torch.Tensor):
+            if id(obj) in seen:  # tied weights are written once
+                return 0
+            seen.add(id(obj))
+            return obj.numel() * obj.element_size()
+        if isinstance(obj, dict):
+            return sum(size(v) for v in obj.values())
+        if isinstance(obj, list | tuple):
+            return sum(size(v) for v in obj)
+        return 0
+    return size(snap.weights) + size(snap.torch_files) + sum(len(b) for b in snap.files.values())
+
+
+def _out_of_space(err: BaseException) -> bool:
+    """An ENOSPC (or quota) OSError anywhere in ``err``'s chain."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def space_note(final: Path, err: BaseException, needed: int) -> str:
+    """``" (no space left on the device? N bytes free ...)"`` when ``err`` says so or the
+    filesystem of ``final`` has less room than the checkpoint needs; else ``""``. A full disk
+    does not always say ENOSPC: torch.save reported one as ``RuntimeError('[enforce fail at
+    inline_container.cc:672] . unexpected pos ...')`` (review, 2026-11-29)."""
+    folder = final
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return " (no space left on the device)" if _out_of_space(err) else ""
+    if not _out_of_space(err) and free >= needed:
+        return ""
+    return (f" (no space left on the device? {free:,} bytes free at {folder}, the checkpoint "
+            f"needs about {needed:,})")
+
+
 class CheckpointWriter:
     """At most one checkpoint write in flight, in a daemon thread; errors are kept and raised
     by the next ``submit`` or ``wait``."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
-        self._error: tuple[Path, BaseException] | None = None
+        self._error: tuple[Path, BaseException, str] | None = None  # folder, error, space_note
 
     @property
     def pending(self) -> bool:
@@ -150,7 +198,7 @@ class CheckpointWriter:
         try:
             write_snapshot(snap, final, hold)
         except BaseException as e:  # kept for the caller's thread: a lost error is a lost checkpoint
-            self._error = (final, e)
+            self._error = (final, e, space_note(final, e, snapshot_bytes(snap)))
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is on disk; raise its error if it failed."""
@@ -161,6 +209,6 @@ class CheckpointWriter:
 
     def _raise(self) -> None:
         if self._error is not None:
-            final, err = self._error
+            final, err, note = self._error
             self._error = None
-            raise CheckpointWriteError(f"checkpoint {final}: write failed: {err!r}") from err
+            raise CheckpointWriteError(f"checkpoint {final}: write failed{note}: {err!r}") from err
