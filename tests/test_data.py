@@ -59,6 +59,14 @@ def test_parquet_matches_jsonl(tmp_path, jsonl):
     assert a == b
 
 
+def test_line_numbers_count_blank_lines(tmp_path):
+    """The line named is the file's, blank lines counted (mutation review, 2026-11-29: counting
+    only non-blank rows failed no test)."""
+    (tmp_path / "gap.jsonl").write_text('{"prompt": "a", "label": "1"}\n\n   \n{bad\n')
+    with pytest.raises(ValueError, match=r"gap.jsonl:line 4: malformed JSON"):
+        load_prompt_file(str(tmp_path / "gap.jsonl"))
+
+
 def test_malformed_line_names_file_and_line(tmp_path):
     path = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a"}, {"prompt": "b"}], ['{"prompt": oops}\n'])
     with pytest.raises(ValueError, match=r"bad.jsonl:line 3: malformed JSON"):

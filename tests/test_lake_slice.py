@@ -190,3 +190,23 @@ def test_an_async_batch_slice_from_the_rows_sent_is_the_lake_read(parts, k, ahea
         lake.append_trajectories([{**stale.to_pylist()[0], "sample_uid": f"r/1/{index}", "sample_index": index}])
         with pytest.raises(RuntimeError, match="1 of them are older"):  # the lake read too
             read_rollout_batch.fn(rt, v, 1)
+
+
+def test_an_async_batch_read_refuses_an_older_unconsumed_batch(tmp_path):
+    """Iteration b trains on batch b only while every older batch is consumed: an unconsumed
+    batch 0 when iteration 1 reads would be left behind for good (mutation review,
+    2026-11-29: the refusal could be removed without a test failing)."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from tasks.async_batches import read_rollout_batch
+
+    lake = Lake(str(tmp_path))
+    lake.append_trajectories(synthetic_rows("r", 0, 4, weight_version=1))  # never trained on
+    lake.append_trajectories(synthetic_rows("r", 1, 4, weight_version=1))
+    rt = SimpleNamespace(lake=lake, run_id="r", cfg=SimpleNamespace(trainer=SimpleNamespace(max_staleness=1)))
+    with pytest.raises(RuntimeError, match=r"expects rollout batch 1 .* unconsumed batches found: \[0, 1\]"):
+        read_rollout_batch.fn(rt, 1, 1)
+    read, _ = read_rollout_batch.fn(rt, 1, 0)  # the oldest is what iteration 0 reads
+    assert set(read.column("iteration").to_pylist()) == {0} and read.num_rows == 4

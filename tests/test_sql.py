@@ -308,3 +308,17 @@ def test_output_json_writes_non_finite_floats_as_null():
     text = render(t, "json")
     assert [json.loads(x, parse_constant=pytest.fail) for x in text.splitlines()] == [
         {"x": None, "xs": [None, 2.0]}, {"x": None, "xs": None}, {"x": 1.5, "xs": []}]
+
+
+def test_the_sandbox_configuration_is_locked():
+    """A second line of defence behind the statement check: the connection itself refuses a
+    SET that would open file access again (mutation review, 2026-11-29: dropping the lock
+    failed no test)."""
+    import duckdb
+
+    from buffer.sql import sandbox_connection
+
+    con = sandbox_connection()
+    with pytest.raises(duckdb.Error, match="locked"):
+        con.execute("SET enable_external_access = true")
+    con.close()

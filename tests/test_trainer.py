@@ -231,9 +231,13 @@ def test_uneven_groups_are_refused_not_normalised_across_prompts(model_dir):
     tr = trainer(model_dir, 4)
     with pytest.raises(ValueError, match=r"groups are not 4 samples each \(rollout.n_samples_per_prompt\): A: 5, B: 3"):
         tr.train(batch)
-    batch.group_keys = ["A", "B", "A", "B", "C", "C", "C", "C"]  # right sizes, interleaved
+    batch.group_keys = ["A", "B", "A", "B", "C", "C", "C", "C"]  # uneven runs
     with pytest.raises(ValueError, match="groups are not 4 samples each"):
         tr.train(batch)
+    two = trainer(model_dir, 2)
+    batch.group_keys = ["A", "B", "B", "A", "C", "C", "D", "D"]  # right sizes, not consecutive
+    with pytest.raises(ValueError, match="groups are not 2 samples each"):
+        two.train(batch)
     assert tr.weight_version == 0
     batch.group_keys = ["A"] * 4 + ["B"] * 4
     tr.train(batch)
