@@ -86,6 +86,71 @@ def test_mailbox_keeps_the_newest_weights_and_sees_stop():
     q.close()
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_rollout_side_generates_batch_b_with_version_b_minus_k_at_the_oldest(monkeypatch, k):
+    """``produce`` waits for version b - k before batch b, no less (AReaL's bound, the one
+    ``train_steps`` staleness is held to): a trainer that hands out the next version only when
+    the rollout side blocks for it sees batch b generated with version max(0, b - k) exactly.
+    The end-to-end staleness test missed a bound of k + 1 (``b - k - 1``; mutation review,
+    2026-11-29): its rollout side seldom runs that far ahead."""
+    import os
+    import queue
+    from types import SimpleNamespace
+
+    import infra.env
+    import tasks.async_batches
+    from flows.rollout_side import Mailbox, produce
+
+    generated: list[tuple[int, int]] = []  # (batch, weight version it was generated with)
+    n_batches = 6
+
+    class Side:
+        cfg = SimpleNamespace(trainer=SimpleNamespace(max_staleness=k))
+        next_batch = 0
+        engine = SimpleNamespace(weight_version=-1)
+
+        def load_weights(self, payload, version):
+            assert payload == f"w{version}"
+            self.engine.weight_version = version
+
+        def seed_batch(self, batch):
+            pass
+
+    def rollout_batch(side, batch, send_rows, may_append):
+        generated.append((batch, side.engine.weight_version))
+        send_rows({}, None)
+        assert may_append()  # its version is committed (with its weights, below)
+        return {}, batch
+
+    class Trainer:
+        """The inbox: the next version (weights, then its commit) only when the side blocks."""
+        def __init__(self):
+            self.pending = [("weights", 0, "w0"), ("committed", 0)]
+            self.version = 0
+
+        def get_nowait(self):
+            if not self.pending:
+                raise queue.Empty
+            return self.pending.pop(0)
+
+        def get(self, timeout=None):
+            if self.pending:
+                return self.pending.pop(0)
+            if self.version >= n_batches:  # never reached with the bound kept
+                return ("stop",)
+            self.version += 1
+            self.pending.append(("committed", self.version))
+            return ("weights", self.version, f"w{self.version}")
+
+    monkeypatch.setattr(tasks.async_batches, "rollout_batch", rollout_batch)
+    monkeypatch.setattr(infra.env, "freeze_startup_heap", lambda: None)
+    sent: list[tuple] = []
+    produce(Side(), Mailbox(Trainer(), os.getppid()), SimpleNamespace(put=sent.append), n_batches)
+    assert generated == [(b, max(0, b - k)) for b in range(n_batches)]
+    assert max(b - w for b, w in generated) == k
+    assert [m[:2] for m in sent if m[0] == "appended"] == [("appended", b) for b in range(n_batches)]
+
+
 def test_a_rollout_process_with_nothing_left_to_generate_ends_and_the_run_goes_on(server, tmp_path):
     """A resume can find every batch already in the lake: its rollout process then ends at once
     (exit 0). That is an error only while a batch is awaited from it (CI caught the training

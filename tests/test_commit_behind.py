@@ -146,3 +146,131 @@ def test_the_commit_behind_lands_before_what_depends_on_it(tmp_path, mode):
     consumed = [u for r in rows for u in r["sample_uids"]]
     assert len(consumed) == len(set(consumed))
     assert all(u.split("/")[1] == str(r["iteration"]) for r in rows for u in r["sample_uids"])
+
+
+APPEND_SLOW_S = 1.0
+FAIL = 2  # this iteration's trajectories append raises: the run fails before its commit
+N_SLOW = FAIL + 1
+
+# imported by the run's process (sync mode appends there) and, as the target it is told to run,
+# by async mode's rollout process (it appends there): both slow every append of train rows
+SLOW_APPEND = f"""
+import time
+
+from buffer.lake import Lake
+
+append = Lake.append_trajectories
+failed = set()
+
+
+def slow_append(self, rows, commit_info=None):
+    kinds = rows.select(["iteration", "kind"]).to_pylist() if hasattr(rows, "select") else rows
+    train = {{r["iteration"] for r in kinds if r["kind"] == "train"}}
+    if train and not train & failed:  # its retries fail at once
+        time.sleep({APPEND_SLOW_S})
+    if {FAIL} in train:
+        failed.add({FAIL})
+        raise RuntimeError("the append of iteration {FAIL} failed")
+    return append(self, rows, commit_info)
+
+
+Lake.append_trajectories = slow_append
+
+
+def rollout_process_main(spec, inbox, outbox):
+    from flows.rollout_side import rollout_process_main as main
+    main(spec, inbox, outbox)
+"""
+
+SLOW_APPEND_SCRIPT = f"""
+import sys
+from infra.env import configure_environment
+from infra.prefect_server import EmbeddedServer
+
+home = sys.argv[1]
+configure_environment(home)
+server = EmbeddedServer.start(home)
+server.wait()
+
+import slow_append  # noqa: F401 - slows this process's appends
+from infra.spawned import SpawnedProcess
+
+run = SpawnedProcess.run
+def run_slowed(self, target, spec):
+    if target == "flows.rollout_side:rollout_process_main":
+        target = "slow_append:rollout_process_main"
+    return run(self, target, spec)
+SpawnedProcess.run = run_slowed
+
+from flows.rl import rl_run
+from infra.config import load_config
+
+cfg = load_config("configs/quickstart.yaml", [f"home={{home}}", "num_rollout={N_SLOW}",
+                  "eval.eval_interval=100", *sys.argv[2:]])
+try:
+    rl_run(cfg.model_dump(), run_id="slow")
+finally:
+    server.stop()
+"""
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_step_commits_only_after_its_rows_append_landed(tmp_path, mode):
+    """The commit point (docs/design.md): a ``train_steps`` row is written only after the
+    trajectories it names landed, although training overlaps their append. Every trajectories
+    append of train rows is slowed by ``APPEND_SLOW_S`` (longer than a step's training), so a
+    step that did not wait for it would commit first; iteration ``FAIL``'s append raises, which
+    must fail the run with no row for that step.
+
+    Guards two mutants of the mutation review, 2026-11-29, which the test above (slowing the
+    train_steps append instead) let through: ``train_and_commit`` committing without waiting
+    for ``lake_version()`` (flows/steps.py; the row then names rows not in the lake, and a
+    failed append still left a row), and a process's first sync iteration reading its slice
+    without waiting for its own append (flows/rl.py, ``landed``: step 0 then trained on an
+    slice read before its rows landed)."""
+    home = tmp_path / "home"
+    (tmp_path / "slow_append.py").write_text(SLOW_APPEND)
+    overrides = [TINY[i + 1] for i in range(0, len(TINY), 2)]
+    if mode == "async":
+        overrides += ["mode=async", "trainer.max_staleness=1"]
+    proc = subprocess.run([sys.executable, "-c", SLOW_APPEND_SCRIPT, str(home), *overrides],
+                          cwd=REPO, env=cli_env(None, PYTHONPATH=f"{REPO}:{tmp_path}"),
+                          capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, f"the run went on past a failed append:\n{out[-3000:]}"
+
+    lake = Lake(str(home / "lake"))
+    assert lake.table_version("train_steps") is not None, f"no step committed:\n{out[-3000:]}"
+    landed: dict[int, tuple[int, datetime]] = {}  # iteration: (version, time) of its train rows
+    for entry in history(lake, "trajectories"):
+        for guard in json.loads(entry.get(GUARDS_KEY) or "[]"):
+            prefix, _, last = guard.rpartition("/")
+            if prefix == "rlake/trajectories/slow" and last.isdigit():
+                assert int(last) not in landed, (guard, landed)  # one commit each
+                landed[int(last)] = (entry["version"], datetime.fromisoformat(entry["timestamp"]))
+    committed = {}  # step: time of its commit
+    for entry in history(lake, "train_steps"):
+        for guard in json.loads(entry.get(GUARDS_KEY) or "[]"):
+            if guard.startswith("rlake/train_steps/slow/"):
+                committed[int(guard.rsplit("/", 1)[1])] = datetime.fromisoformat(entry["timestamp"])
+    rows = {r["step"]: r for r in lake.read("train_steps", run_id="slow").to_pylist()}
+    assert sorted(committed) == sorted(rows)
+    # every step before FAIL committed (async: the rollout side's failure may reach the
+    # training side during step FAIL - 1, which then fails), none from FAIL on
+    assert sorted(rows) in ([list(range(FAIL))] if mode == "sync" else
+                            [list(range(FAIL - 1)), list(range(FAIL))]), sorted(rows)
+    assert FAIL not in landed
+    trajectories = lake.read("trajectories", run_id="slow",
+                             columns=["sample_uid", "iteration", "kind"]).to_pylist()
+    for step, row in rows.items():
+        version, when = landed[step]
+        # the row names the trajectories version its rows landed at, and came after it
+        assert row["lake_version"] is not None and row["lake_version"] >= version, (step, row["lake_version"], version)
+        assert committed[step] >= when, (step, committed[step], when)
+        # the step trained on all of its iteration's train rows (each step consumes its whole
+        # slice, one iteration's), every one of them in the lake
+        train = {t["sample_uid"] for t in trajectories
+                 if t["kind"] == "train" and t["iteration"] == step}
+        assert train and set(row["sample_uids"]) == train, (step, len(row["sample_uids"]), len(train))
+        assert len(row["sample_uids"]) == len(train)
+    assert f"the append of iteration {FAIL} failed" in out, out[-3000:]  # and nothing else
