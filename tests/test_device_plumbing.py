@@ -178,7 +178,7 @@ def test_in_process_hand_off_copies_into_the_engine_without_reallocating(chaotic
 
     path, tok = chaotic
     tr = TorchTrainer(str(path), TrainerConfig(lr=5e-2), 2, pad_token_id=tok.pad_token_id)
-    tr.train(make_batch([1.0, 0.0, 1.0, 0.0], seed=1))
+    tr.train(make_batch([1.0, 0.0, 1.0, 0.0], seed=1, group_size=2))
     weights = tr.state_dict()
     params = dict(tr.model.named_parameters())
     assert all(weights[k].data_ptr() == params[k].data_ptr() for k in params)
@@ -309,7 +309,7 @@ def test_gpu_ppo_with_kl_critic_and_reference_train_save_and_load(tiny, tmp_path
     cfg = TrainerConfig(lr=1e-3, advantage_estimator="ppo", use_kl_loss=True, kl_loss_coef=0.1,
                         recompute_granularity="full")
     tr = TorchTrainer(str(path), cfg, 2, device="cuda", dtype="bf16")
-    metrics = tr.train(make_batch([1.0, 0.0, 1.0, 0.0], seed=4))
+    metrics = tr.train(make_batch([1.0, 0.0, 1.0, 0.0], seed=4, group_size=2))
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     assert next(tr.reference().parameters()).dtype == torch.bfloat16
     tr.save(str(tmp_path / "v1"))
@@ -381,7 +381,7 @@ def test_gpu_cuda_graph_engine_matches_eager_and_follows_the_hand_off(chaotic, t
     before = logprobs(graphed)
     tr = TorchTrainer(str(path), TrainerConfig(lr=5e-2), 2, pad_token_id=tok.pad_token_id,
                       device="cuda", dtype="fp32")
-    tr.train(make_batch([1.0, 0.0, 1.0, 0.0], seed=1))
+    tr.train(make_batch([1.0, 0.0, 1.0, 0.0], seed=1, group_size=2))
     graphed.load_state_dict(tr.state_dict(), 1)
     eager.load_state_dict(tr.state_dict(), 1)
     after = logprobs(graphed)
