@@ -175,8 +175,18 @@ def remove_stale_checkpoints(rt: Runtime) -> list[str]:
     below a newer commit. Runs once this process owns the run. Returns the names removed."""
     stale = stale_folders(rt.checkpoint_root, rt.committed_version())
     for path in stale:
-        shutil.rmtree(path, ignore_errors=True)
-    return [p.name for p in stale]
+        try:
+            shutil.rmtree(path)
+        except FileNotFoundError:
+            pass
+        except OSError as err:  # reported as removed before (review, 2026-11-29)
+            if path.name.endswith(".tmp"):  # never trusted, and written over by its next save
+                rt.warn(f"could not delete the unfinished checkpoint write {path}: {err}")
+                continue
+            raise RuntimeError(f"could not delete {path}, a checkpoint above the committed "
+                               f"weight version that a later resume could trust: {err}; "
+                               "delete it, then resume") from err
+    return [p.name for p in stale if not p.exists()]
 
 
 def rebuild_committed(rt: Runtime) -> dict:

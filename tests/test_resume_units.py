@@ -377,3 +377,32 @@ def test_server_watch_reports_a_lost_server_once_and_not_after_stop(tmp_path, mo
     # a server from outside (PREFECT_API_URL, no server.json of this home) is not watched
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
     assert run_server_liveness(None, tmp_path) is None
+
+
+def test_a_stale_checkpoint_that_cannot_be_deleted_stops_the_resume(tmp_path, monkeypatch):
+    """A checkpoint above the commit that could not be deleted was reported as removed
+    (``rmtree(ignore_errors=True)``) and stayed, for a later resume to trust (review,
+    2026-11-29); an unfinished ``.tmp`` write is only warned about (never trusted)."""
+    import shutil
+
+    from flows import durability
+
+    rt = _runtime(tmp_path, keep=3)
+    _commit(rt, 1)
+    for name in ("v000001", "v000002", "v000003.tmp"):
+        (rt.checkpoint_root / name).mkdir(parents=True)
+    real = shutil.rmtree
+
+    def stuck(path, *args, **kwargs):
+        if Path(path).name in ("v000002", "v000003.tmp"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(durability.shutil, "rmtree", stuck)
+    with pytest.raises(RuntimeError, match=r"could not delete .*v000002, a checkpoint above the committed"):
+        durability.remove_stale_checkpoints(rt)
+    real(rt.checkpoint_root / "v000002")  # the user deletes it: the resume goes on
+    warnings = []
+    rt.reporter = lambda event, payload: warnings.append(payload["message"])
+    assert durability.remove_stale_checkpoints(rt) == []
+    assert "v000003.tmp" in warnings[0] and (rt.checkpoint_root / "v000001").exists()

@@ -370,3 +370,21 @@ def test_a_non_finite_gradient_is_refused_before_the_weights_change(model_dir):
     assert tr.weight_version == 0
     after = params(tr.model)
     assert all(torch.equal(before[k], v) for k, v in after.items() if torch.isfinite(v).all())
+
+
+def test_a_non_finite_critic_gradient_is_refused_before_either_model_changes(model_dir):
+    """The critic's gradient norm was clipped and stepped unchecked: a NaN critic was committed
+    with the policy (review, 2026-11-29). Now refused before either optimizer steps."""
+    from trainers.torch_trainer import NonFiniteGradient
+
+    tr = trainer(model_dir, 4, advantage_estimator="ppo")
+    tr.train(make_batch(REWARDS, seed=16))  # the critic exists from the first step
+    # the critic's gradient alone goes NaN (an inf weight would make the values, and through
+    # the advantages the policy's gradient, non-finite too)
+    tr.critic.value_head.weight.register_hook(lambda grad: grad * math.nan)
+    policy, critic = params(tr.model), params(tr.critic)
+    with pytest.raises(NonFiniteGradient, match="critic's gradient at weight version 1 is not finite"):
+        tr.train(make_batch(REWARDS, seed=17))
+    assert tr.weight_version == 1
+    assert all(torch.equal(policy[k], v) for k, v in params(tr.model).items())
+    assert all(torch.equal(critic[k], v) for k, v in params(tr.critic).items())

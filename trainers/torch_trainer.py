@@ -114,13 +114,14 @@ class NonFiniteGradient(RuntimeError):
     """A gradient with inf or NaN: the step is refused before the optimizer applies it."""
 
 
-def finite_grad_norm(model: torch.nn.Module, clip_grad: float, weight_version: int) -> float:
+def finite_grad_norm(model: torch.nn.Module, clip_grad: float, weight_version: int,
+                     what: str = "gradient") -> float:
     """Clip the gradient to norm ``clip_grad`` (``clip_grad_norm_``) and return its norm before
     clipping; an inf or NaN norm raises ``NonFiniteGradient`` before any weight changes (a
     stepped NaN spreads to every weight, and the run went on to report success)."""
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad))
     if not math.isfinite(norm):
-        raise NonFiniteGradient(f"the gradient at weight version {weight_version} is not finite "
+        raise NonFiniteGradient(f"the {what} at weight version {weight_version} is not finite "
                                 f"(norm {norm}): the step is refused, nothing of it is committed; "
                                 "check trainer.lr and the rewards")
     return norm
@@ -318,11 +319,15 @@ class TorchTrainer:
                 for k, v in terms.items():
                     totals[k] = totals.get(k, 0.0) + v
             grad_norm = finite_grad_norm(self.model, cfg.clip_grad, self.weight_version)
+            # the critic's too, before either steps: a NaN critic stepped here was committed
+            # with the policy, one iteration before the policy's own check failed (review,
+            # 2026-11-29)
+            critic_norm = finite_grad_norm(self.critic, cfg.clip_grad, self.weight_version,
+                                           "critic's gradient") if self.uses_critic else None
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
             self.optimizer.step()
-            if self.uses_critic:
-                critic_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.clip_grad)
-                totals["value_grad_norm"] = totals.get("value_grad_norm", 0.0) + float(critic_norm)
+            if critic_norm is not None:
+                totals["value_grad_norm"] = totals.get("value_grad_norm", 0.0) + critic_norm
                 self.critic_optimizer.step()
             steps += 1
         metrics = {k: v / max(steps, 1) for k, v in totals.items()}
