@@ -205,7 +205,8 @@ def without_dropout(config):
     load a policy: the trainer runs its forwards in train mode, so a model whose config has
     dropout (``attention_dropout: 0.3``) gave the old-log-prob pass, the grad pass and the
     engine (eval mode) three different policies, and the PPO ratio was noise around 1 before
-    any update (review, 2026-11-29). infra.qwen2's model has no dropout."""
+    any update (review, 2026-11-29). ``load_model`` does the same to the config.json dict it
+    gives infra.qwen2's model (its attention reads ``attention_dropout``)."""
     for key, value in config.to_dict().items():
         if _is_dropout(key, value):
             setattr(config, key, 0.0)

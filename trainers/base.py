@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, fields
 from typing import Protocol, runtime_checkable
 
@@ -42,13 +43,9 @@ class TrainBatch:
         returning 5 and 3 samples for n = 4) was normalised across two prompts without a word
         (review, 2026-11-29)."""
         n, keys = n_samples_per_prompt, self.group_keys
-        sizes: dict[str, int] = {}
-        for key in keys:
-            sizes[key] = sizes.get(key, 0) + 1
-        uneven = {k: c for k, c in sizes.items() if c != n}
-        starts = [keys[i] for i in range(0, len(keys), n)]
-        if uneven or len(set(starts)) != len(starts) or any(
-                keys[i] != keys[i - i % n] for i in range(len(keys))):
+        uneven = {k: c for k, c in Counter(keys).items() if c != n}
+        # with every key n times, runs of n rows each of one key are one group per key
+        if uneven or any(keys[i] != keys[i - i % n] for i in range(len(keys))):
             example = ", ".join(f"{k}: {c}" for k, c in list(uneven.items())[:3])
             raise ValueError(
                 f"the training batch's groups are not {n} samples each "
