@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, fields
+from itertools import chain, repeat
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import pyarrow as pa
 import torch
 
@@ -100,41 +102,62 @@ class PaddedBatch:
 def pad_batch(batch: TrainBatch, pad_id: int) -> PaddedBatch:
     """Right-pad prompt+response; response token t of row i is predicted at position
     len(prompt_i) - 1 + t. An empty ``loss_mask`` means every response token is trained.
-    Rows are padded as Python lists and each field becomes one tensor (a tensor per row and
-    field cost ~21 ms for a 256-row batch: a tenth of an iteration's training here)."""
+    Each field is filled as one array from the rows' tokens laid end to end: a Python list per
+    row took 1.3 ms for a 256-row batch, a tensor per row and field ~21 ms, both on the training
+    side's core (measured 2026-11-29: 0.3 ms this way)."""
     n = len(batch)
     if n == 0:
         raise ValueError("TrainBatch is empty: nothing to train on")
-    width = max(len(p) + len(r) for p, r in zip(batch.prompt_token_ids, batch.response_token_ids,
-                                                strict=True))
-    resp_width = max(1, max(len(r) for r in batch.response_token_ids))
-    input_ids, attention_mask, response_index, response_ids, mask, rollout_lp, has_lp = \
-        [], [], [], [], [], [], []
-    for uid, prompt, resp, loss_mask, lps in zip(
-            batch.sample_uids, batch.prompt_token_ids, batch.response_token_ids, batch.loss_mask,
-            batch.rollout_logprobs, strict=True):
-        if not prompt:
-            raise ValueError(f"sample {uid}: empty prompt_token_ids")
-        length, r = len(prompt) + len(resp), len(resp)
-        input_ids.append([*prompt, *resp, *[pad_id] * (width - length)])
-        attention_mask.append([1] * length + [0] * (width - length))
-        tail = [0] * (resp_width - r)
-        response_index.append([*range(len(prompt) - 1, len(prompt) - 1 + r), *tail])
-        response_ids.append([*resp, *tail])
-        trained = list(loss_mask[:r]) if loss_mask else [1] * r
-        if len(trained) != r:
-            raise ValueError(f"sample {uid}: loss_mask has {len(trained)} entries for {r} "
-                             "response tokens")
-        mask.append(trained + tail)
-        logprobs = list(lps[:r]) if lps else []
-        rollout_lp.append(logprobs + [0.0] * (resp_width - len(logprobs)))
-        has_lp.append(1.0 if logprobs else 0.0)
+    prompt_len = _lengths(batch.prompt_token_ids)
+    resp_len = _lengths(batch.response_token_ids)
+    if (prompt_len == 0).any():
+        raise ValueError(f"sample {batch.sample_uids[int(np.argmax(prompt_len == 0))]}: "
+                         "empty prompt_token_ids")
+    mask_len = _lengths(batch.loss_mask)
+    short = (mask_len > 0) & (mask_len < resp_len)
+    if short.any():
+        i = int(np.argmax(short))
+        raise ValueError(f"sample {batch.sample_uids[i]}: loss_mask has {mask_len[i]} entries "
+                         f"for {resp_len[i]} response tokens")
+    seq_len = prompt_len + resp_len
+    width, resp_width = int(seq_len.max()), max(1, int(resp_len.max()))
+    # row-major boolean masks select positions in the order the rows' tokens are laid out
+    col, rcol = np.arange(width), np.arange(resp_width)
+    in_prompt = col < prompt_len[:, None]
+    in_seq = col < seq_len[:, None]
+    in_resp = rcol < resp_len[:, None]
+    responses = _flat(batch.response_token_ids, np.int64, int(resp_len.sum()))
+    input_ids = np.full((n, width), pad_id, dtype=np.int64)
+    input_ids[in_prompt] = _flat(batch.prompt_token_ids, np.int64, int(prompt_len.sum()))
+    input_ids[in_seq & ~in_prompt] = responses
+    response_ids = np.zeros((n, resp_width), dtype=np.int64)
+    response_ids[in_resp] = responses
+    mask = np.zeros((n, resp_width), dtype=np.float32)
+    mask[in_resp] = _flat((m[:r] if m else repeat(1, r) for m, r in
+                           zip(batch.loss_mask, resp_len.tolist(), strict=True)),
+                          np.float32, int(resp_len.sum()))
+    lp_len = np.minimum(_lengths(batch.rollout_logprobs), resp_len)
+    rollout_lp = np.zeros((n, resp_width), dtype=np.float32)
+    rollout_lp[rcol < lp_len[:, None]] = _flat(
+        (lp[:r] for lp, r in zip(batch.rollout_logprobs, lp_len.tolist(), strict=True)),
+        np.float32, int(lp_len.sum()))
+    response_index = np.where(in_resp, prompt_len[:, None] - 1 + rcol, 0)
     return PaddedBatch(
-        torch.tensor(input_ids, dtype=torch.long), torch.tensor(attention_mask, dtype=torch.long),
-        torch.tensor(response_index, dtype=torch.long), torch.tensor(response_ids, dtype=torch.long),
-        torch.tensor(mask, dtype=torch.float32), torch.tensor(rollout_lp, dtype=torch.float32),
-        torch.tensor(has_lp, dtype=torch.float32),
-        torch.tensor([len(p) for p in batch.prompt_token_ids], dtype=torch.long))
+        torch.from_numpy(input_ids), torch.from_numpy(in_seq.astype(np.int64)),
+        torch.from_numpy(response_index), torch.from_numpy(response_ids),
+        torch.from_numpy(mask), torch.from_numpy(rollout_lp),
+        torch.from_numpy((lp_len > 0).astype(np.float32)), torch.from_numpy(prompt_len))
+
+
+def _lengths(rows: list) -> np.ndarray:
+    """len() of each row (None counts as 0), as int64."""
+    return np.fromiter((len(r) if r is not None else 0 for r in rows), dtype=np.int64,
+                       count=len(rows))
+
+
+def _flat(rows, dtype, count: int) -> np.ndarray:
+    """The rows' items end to end, as one array of ``count`` items."""
+    return np.fromiter(chain.from_iterable(rows), dtype=dtype, count=count)
 
 
 @runtime_checkable
