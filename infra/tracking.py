@@ -17,8 +17,10 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlparse
 
 from infra import db_template
 
@@ -46,6 +48,72 @@ def tracking_uri(home: str | Path) -> str:
 
 def tracking_db(home: str | Path) -> Path:
     return Path(home).resolve() / "mlflow" / "mlflow.db"
+
+
+# the columns where MLflow's SQL store keeps an absolute path derived from the experiment's
+# artifact location (``relocate_artifacts``): a run's, a logged model's and a model version's
+ARTIFACT_COLUMNS = (("experiments", "artifact_location"), ("runs", "artifact_uri"),
+                    ("logged_models", "artifact_location"), ("model_versions", "source"),
+                    ("model_versions", "storage_location"))
+
+
+def relocate_artifacts(home: str | Path) -> str | None:
+    """Point the rlake experiment of ``home``'s MLflow database, and what it recorded under it,
+    at ``home``'s own ``mlflow/artifacts`` when the database names another home's (the home was
+    moved or copied); returns the old location, or None when nothing changed.
+
+    MLflow stores the experiment's artifact location, and each run's artifact URI, as absolute
+    paths and has no API to change them: after ``mv OLD NEW`` a resume wrote every new model
+    version's marker under OLD, re-creating it (or failed where OLD could not be written), and
+    the moved versions' artifacts were looked up there. Rewritten here, in this home's database
+    only, in one transaction, before an MLflow client opens it: only the values that are that
+    location or start with it and ``/``; a location that is not a local path ending in
+    ``mlflow/artifacts`` (not one rlake made) is left alone."""
+    db = tracking_db(home)
+    new_root = db.parent / "artifacts"
+    if not db.exists():
+        return None
+    with closing(sqlite3.connect(db, timeout=60, isolation_level=None)) as conn:
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if "experiments" not in tables:
+            return None
+        found = conn.execute("SELECT artifact_location FROM experiments WHERE name = ?",
+                             (EXPERIMENT,)).fetchone()
+        old = found[0] if found else None
+        old_root = _local_path(old)
+        if old_root is None or old_root.parts[-2:] != ("mlflow", "artifacts") or old_root == new_root:
+            return None
+        new = new_root.as_uri() if old.startswith("file:") else str(new_root)
+        conn.execute("BEGIN IMMEDIATE")  # one writer: the whole rewrite or none of it
+        try:
+            for table, column in ARTIFACT_COLUMNS:
+                if table not in tables:
+                    continue
+                conn.execute(f"UPDATE {table} SET {column} = ? WHERE {column} = ?", (new, old))
+                # substr, not LIKE: a path may hold LIKE's wildcards (_ and %)
+                conn.execute(f"UPDATE {table} SET {column} = ? || substr({column}, ?) "
+                             f"WHERE substr({column}, 1, ?) = ?",
+                             (new, len(old) + 1, len(old) + 1, old + "/"))
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+    return old
+
+
+def _local_path(location: str | None) -> Path | None:
+    """The absolute local path of an artifact location (``file:`` URI or a plain path), else
+    None (another scheme: an object store)."""
+    if not location:
+        return None
+    parsed = urlparse(location)
+    if parsed.scheme == "file" and parsed.netloc in ("", "localhost"):
+        path = Path(unquote(parsed.path))
+    elif not parsed.scheme:
+        path = Path(location)
+    else:
+        return None
+    return path if path.is_absolute() else None
 
 
 def seed_tracking_db(db: Path) -> bool:
@@ -212,6 +280,8 @@ class Tracker:
         with open(root / ".create.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             seed_tracking_db(tracking_db(home))
+            # a moved or copied home: MLflow's absolute paths still name the old one
+            relocate_artifacts(home)
             sqlite_commits_without_fsync()
             self.client = MlflowClient(tracking_uri=self.uri)
             exp = self.client.get_experiment_by_name(EXPERIMENT)

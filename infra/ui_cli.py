@@ -65,8 +65,9 @@ def mlflow_landing(home: Path, base: str) -> str:
     """Tag the rlake experiment as machine learning (idempotent) and return its runs page."""
     from mlflow.tracking import MlflowClient
 
-    from infra.tracking import EXPERIMENT, tracking_uri
+    from infra.tracking import EXPERIMENT, relocate_artifacts, tracking_uri
 
+    relocate_artifacts(home)  # a moved home: its artifacts are served from where they are now
     client = MlflowClient(tracking_uri=tracking_uri(home))
     exp = client.get_experiment_by_name(EXPERIMENT)
     if exp is None:
