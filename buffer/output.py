@@ -86,12 +86,13 @@ def to_json_lines(table: pa.Table) -> str:
 
 
 def to_csv(table: pa.Table) -> str:
-    """CSV with a header row; list columns are written as JSON text."""
+    """CSV with a header row; nested columns (list, struct, map...) are written as JSON text, as
+    the table and JSON formats show them (a map as its [key, value] pairs)."""
     table = unique_names(table)
     cols = []
     for name in table.column_names:
         col = table.column(name)
-        if pa.types.is_list(col.type) or pa.types.is_large_list(col.type) or pa.types.is_struct(col.type):
+        if pa.types.is_nested(col.type):  # the CSV writer takes none of them (a map failed)
             col = pa.array([None if v is None else json.dumps(v, default=str) for v in col.to_pylist()],
                            pa.string())
         cols.append(col)

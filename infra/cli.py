@@ -4,6 +4,7 @@ report, deploy, serve (infra/ops_cli.py)."""
 # ruff: noqa: E402 - the third-party and rlake imports come after the Ctrl-C guard (_guard_imports)
 from __future__ import annotations
 
+import errno
 import signal
 import sys
 from collections.abc import Callable
@@ -38,7 +39,7 @@ from rich.markup import escape
 
 from infra import quick_exit
 from infra.config import load_config
-from infra.lake_cli import check_lake, lake_app, sql_command
+from infra.lake_cli import check_lake, lake_app, sql_command, without_backtrace
 from infra.ui_cli import ui_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -98,15 +99,20 @@ def _resumable(cfg) -> Callable[[str], None]:
 
 
 @app.command()
-def status(run_id: Annotated[str | None, typer.Argument()] = None, home: HomeOpt = "./rlake-home",
+def status(run_id: Annotated[str | None, typer.Argument()] = None,
+           home: Annotated[str | None, typer.Option(
+               "--home", help="state folder (lake, MLflow, checkpoints) [default: ./rlake-home]")] = None,
            lake_uri: Annotated[str | None, typer.Option("--lake", help="lake URI (default: HOME/lake)")] = None) -> None:
     """List runs, or show one run's iterations, weight versions and evaluations."""
     from infra.status import show_status
 
-    if lake_uri is None and not Path(home).is_dir():  # not "no runs": a typo in the path
-        raise ValueError(f"no rlake home at {home} (--home): the folder does not exist")
-    if lake_uri is not None:  # as `sql --lake`: a typo (or a home) read as a lake of no runs
+    if lake_uri is None:
+        home = home or "./rlake-home"
+        if not Path(home).is_dir():  # not "no runs": a typo in the path
+            raise ValueError(f"no rlake home at {home} (--home): the folder does not exist")
+    else:  # as `sql --lake`: a typo (or a home) read as a lake of no runs
         check_lake(lake_uri)
+    # --lake alone: no home, so no run folder whose lock tells a live run from a killed one
     show_status(console, lake_uri or str(Path(home) / "lake"), run_id, home)
 
 
@@ -126,26 +132,57 @@ app.command("ui")(ui_command)
 app.add_typer(lake_app, name="lake")
 
 
+# the exit status a shell reports for a tool that a closed pipe stopped (`rlake status | head -1`)
+PIPE_CLOSED = 128 + signal.SIGPIPE
+
+
 def main() -> None:
     """The console script: every failure exits non-zero (2 usage / refused input, 1 other errors,
-    130 Ctrl-C); one ``error:`` line, the traceback only with ``--debug``."""
+    130 Ctrl-C); one ``error:`` line, the traceback only with ``--debug``. Output into a pipe
+    closed early (``| head -1``) stops the command quietly, as a Unix tool: exit status 141."""
     _note_interrupts()
+    Console.on_broken_pipe = _raise_broken_pipe
+    try:
+        code = _run_command()
+        if code == 130:
+            _interrupted()
+    except BrokenPipeError:  # the error or "interrupted" line met the closed pipe (Ctrl-C ends `| tee` too)
+        code = PIPE_CLOSED
+    quick_exit.exit_code = code
+    sys.exit(code)
+
+
+def _run_command() -> int:
+    """Run the command line's command; its exit code."""
     try:
         # standalone_mode=False hands back ``typer.Exit`` codes (and Ctrl-C as 130) as the return
         # value instead of exiting: an ignored return value is how failures used to exit 0.
-        code = exit_code(app(standalone_mode=False))
+        return exit_code(app(standalone_mode=False))
     except KeyboardInterrupt:
-        code = 130
+        return 130
     except typer.Exit as exit_:
-        code = exit_.exit_code
+        return exit_.exit_code
+    except SystemExit as exit_:
+        if _stopped_by_closed_pipe(exit_):
+            return PIPE_CLOSED
+        raise
     except Exception as err:  # noqa: BLE001 - one clear line unless --debug
         # a Ctrl-C that landed inside Prefect's engine can come out as another error
         # ("Task run is not set"): still an interrupt
-        code = 130 if STATE.get("interrupted") else _fail(err)
-    if code == 130:
-        _interrupted()
-    quick_exit.exit_code = code
-    sys.exit(code)
+        return 130 if STATE.get("interrupted") else _fail(err)
+
+
+def _raise_broken_pipe(console: Console) -> None:  # noqa: ARG001 - rich's hook signature
+    """rich's hook for a write into a closed pipe (``Console.on_broken_pipe``, documented to be
+    replaced): its own exits 1 at once; raised instead, as by ``print`` and ``typer.echo``, the
+    error reaches typer's handling of a closed pipe (``_stopped_by_closed_pipe``)."""
+    raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+
+def _stopped_by_closed_pipe(exit_: SystemExit) -> bool:
+    """Whether typer ended the command because its output pipe closed: it exits 1 then, with
+    sys.stdout wrapped in click's PacifyFlushWrapper (quiet flushes at exit; typer/core.py)."""
+    return exit_.code == 1 and "PacifyFlushWrapper" in type(sys.stdout).__name__
 
 
 def _note_interrupts() -> None:
@@ -206,7 +243,8 @@ def _fail(err: BaseException) -> int:
         # --debug is an option of rlake, not of the command: where a user adds it (the end of
         # the line) it was a usage error (review, 2026-11-29)
         debug = escape(f"rlake --debug {_command_name() or 'COMMAND'} ...")
-        err_console.print(f"[bold red]error:[/] {escape(str(err))}  ({debug} for the traceback)",
+        message = escape(without_backtrace(str(err)))  # a Rust backtrace: only with --debug
+        err_console.print(f"[bold red]error:[/] {message}  ({debug} for the traceback)",
                           soft_wrap=True, highlight=False)
     return 1
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -91,8 +92,19 @@ def check_out(out: Path, lake: str) -> None:
         _fail(f"--out {out}: is inside the lake ({lake}); write it elsewhere")
 
 
+# where a Rust backtrace starts in a deltalake error's text: with RUST_BACKTRACE set, the error
+# carries one ("Stack backtrace:" and/or numbered frames "   0: <unknown>", each on its own line)
+_BACKTRACE = re.compile(r"\n\s*(?:stack backtrace:|0: )", re.IGNORECASE)
+
+
+def without_backtrace(message: str) -> str:
+    """``message`` without the Rust backtrace a deltalake error carries when RUST_BACKTRACE is
+    set: the error's own text, one line (the backtrace shows with ``--debug``)."""
+    return _BACKTRACE.split(message, maxsplit=1)[0].strip()
+
+
 def _fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
+    typer.echo(f"error: {without_backtrace(message)}", err=True)
     raise typer.Exit(2)
 
 

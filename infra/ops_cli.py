@@ -19,6 +19,9 @@ from infra.config import apply_overrides, config_from_dict, read_config_file
 console = Console()
 HomeOpt = Annotated[str, typer.Option("--home", help="state folder (lake, MLflow, checkpoints)")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override: key.sub=value")]
+LakeOpt = Annotated[str | None, typer.Option("--lake", help="lake URI (default: HOME/lake)")]
+# lineage's and report's name for --lake before 2026-11-29: still taken, no longer shown
+OldLakeOpt = Annotated[str | None, typer.Option("--lake-uri", hidden=True)]
 
 
 def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -32,6 +35,14 @@ def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 def _yaml_mapping(path: Path | None) -> dict[str, Any]:
     return {} if path is None else read_config_file(path)
+
+
+def lake_option(lake: str | None, lake_uri: str | None) -> str | None:
+    """The lake given as ``--lake`` or by its old name ``--lake-uri`` (None: HOME/lake)."""
+    if lake is not None and lake_uri is not None and lake != lake_uri:
+        raise typer.BadParameter(f"--lake {lake} and --lake-uri {lake_uri}: give one (--lake-uri is "
+                                 "the old name of --lake)")
+    return lake if lake is not None else lake_uri
 
 
 def _lake(home: str, lake_uri: str | None):
@@ -71,12 +82,12 @@ def register(app: typer.Typer, debug: Callable[[], bool] = lambda: False) -> Non
     @app.command()
     def lineage(run_id: str, version: Annotated[int, typer.Option("--version", help="weight version")],
                 home: HomeOpt = "./rlake-home", samples: Annotated[int, typer.Option("--samples", min=0)] = 10,
-                lake_uri: Annotated[str | None, typer.Option("--lake-uri")] = None,
-                as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+                lake: LakeOpt = None, as_json: Annotated[bool, typer.Option("--json")] = False,
+                lake_uri: OldLakeOpt = None) -> None:
         """Which iterations and samples trained weight version V, and which versions generated them."""
         from infra.lineage import format_lineage, version_lineage
 
-        info = version_lineage(_lake(home, lake_uri), run_id, version,
+        info = version_lineage(_lake(home, lake_option(lake, lake_uri)), run_id, version,
                                checkpoint_root=Path(home) / "runs" / run_id / "checkpoints")
         if as_json:
             print(json.dumps(info, default=str))
@@ -87,15 +98,16 @@ def register(app: typer.Typer, debug: Callable[[], bool] = lambda: False) -> Non
     @app.command()
     def report(run_id: str, out: Annotated[Path, typer.Option("--out")] = Path("report.html"),
                home: HomeOpt = "./rlake-home",
-               lake_uri: Annotated[str | None, typer.Option("--lake-uri")] = None) -> None:
+               lake: LakeOpt = None, lake_uri: OldLakeOpt = None) -> None:
         """HTML report + PNG figures of a run, from the lake."""
         from infra.lake_cli import check_out
         from infra.report import write_report
 
+        lake = lake_option(lake, lake_uri)
         # the figures go beside the HTML (OUT-reward.png ...): checking OUT covers them too; a
         # folder got five PNGs beside it before failing (review, 2026-11-29)
-        check_out(out, lake_uri or str(Path(home) / "lake"))
-        for path in write_report(_lake(home, lake_uri), run_id, out):
+        check_out(out, lake or str(Path(home) / "lake"))
+        for path in write_report(_lake(home, lake), run_id, out):
             console.print(f"wrote {path}")
 
     @app.command()

@@ -154,12 +154,17 @@ def next_commands(summary: dict) -> list[str]:
     """Commands to look at a finished run, each runnable as printed from any folder."""
     rlake, run_id = rlake_invocation(), shlex.quote(summary["run_id"])
     home = shlex.quote(str(Path(summary["home"]).resolve()))
-    lake = shlex.quote(str(summary["lake_uri"]))
+    lake_uri = str(summary["lake_uri"])
+    if "://" not in lake_uri:  # a local lake given relative: absolute, for any folder
+        lake_uri = str(Path(lake_uri).resolve())
+    lake = shlex.quote(lake_uri)
+    # a lake of its own (not HOME/lake): status and report read HOME/lake unless told
+    own_lake = "" if lake_uri == str(Path(summary["home"]).resolve() / "lake") else f" --lake {lake}"
     query = ("SELECT iteration, avg(reward) AS reward FROM trajectories WHERE kind = 'train' "
              "GROUP BY 1 ORDER BY 1")
-    return [f"{rlake} status {run_id} --home {home}",
+    return [f"{rlake} status {run_id} --home {home}{own_lake}",
             f"{rlake} sql {shlex.quote(query)} --lake {lake}",
-            f"{rlake} report {run_id} --home {home} --out report.html",
+            f"{rlake} report {run_id} --home {home}{own_lake} --out report.html",
             f"{rlake} ui mlflow --home {home}",
             f"{rlake} ui prefect --home {home}"]
 

@@ -13,10 +13,17 @@ from rich.table import Column, Table
 from buffer import Lake
 from infra.recovery import run_owner
 
+# a "running" run read from the lake alone (`--lake` without `--home`): only the run folder's lock
+# under its home tells a live run from a killed one
+UNKNOWN = "running or interrupted"
+NO_HOME = ("no --home given: only the run's home tells whether a live process still owns it "
+           "(rlake status --home HOME --lake LAKE)")
+
 
 def show_status(console: Console, lake_uri: str, run_id: str | None, home: str | None = None) -> None:
     """Runs (or one run) from the lake; with ``home``, a run marked running that no live process
-    owns is shown as interrupted (a kill -9 leaves the lake saying "running")."""
+    owns is shown as interrupted (a kill -9 leaves the lake saying "running"); without, as
+    ``UNKNOWN``."""
     lake = Lake(lake_uri)
     if run_id is None:
         _list_runs(console, lake, home)
@@ -25,9 +32,12 @@ def show_status(console: Console, lake_uri: str, run_id: str | None, home: str |
 
 
 def shown_status(run: dict, home: str | None) -> str:
-    """The run's status, "interrupted" for a "running" run whose owner process is gone."""
-    if run["status"] != "running" or home is None:
+    """The run's status, "interrupted" for a "running" run whose owner process is gone, and
+    ``UNKNOWN`` for a "running" run when no home tells."""
+    if run["status"] != "running":
         return run["status"]
+    if home is None:
+        return UNKNOWN
     run_dir = Path(home) / "runs" / run["run_id"]
     if run_dir.exists() and run_owner(run_dir) is None:
         return "interrupted"
@@ -44,11 +54,14 @@ def _list_runs(console: Console, lake: Lake, home: str | None) -> None:
     # in 80 columns or a pipe (review, 2026-11-29); the other columns wrap instead
     table = Table(Column("run_id", no_wrap=True, min_width=max(len(r["run_id"]) for r in runs)),
                   "status", "iterations", "weight version", "updated", title="rlake runs")
+    shown = {run["run_id"]: shown_status(run, home) for run in runs}
     for run in sorted(runs, key=lambda r: str(r.get("created_at"))):
         mine = [s for s in steps if s["run_id"] == run["run_id"]]
-        table.add_row(run["run_id"], shown_status(run, home), str(len(mine)),
+        table.add_row(run["run_id"], shown[run["run_id"]], str(len(mine)),
                       str(max((s["weight_version"] for s in mine), default=0)), str(run.get("updated_at")))
     console.print(table)
+    if UNKNOWN in shown.values():
+        console.print(f"{UNKNOWN}: {NO_HOME}", highlight=False, soft_wrap=True)
 
 
 def _show_run(console: Console, lake: Lake, run_id: str, home: str | None) -> None:
@@ -65,6 +78,8 @@ def _show_run(console: Console, lake: Lake, run_id: str, home: str | None) -> No
         # soft_wrap: one line, to be copied as it is
         console.print(f"  no live process owns it (killed?): {escape(resume)}", highlight=False,
                       soft_wrap=True)
+    if status == UNKNOWN:
+        console.print(f"  {NO_HOME}", highlight=False, soft_wrap=True)
     start = "after SFT"
     if run.get("replay_of"):
         asked = json.loads(run.get("notes") or "{}")
