@@ -36,13 +36,13 @@ def _c(name: str, type_: pa.DataType, doc: str, nullable: bool = True) -> Column
 
 
 TRAJECTORIES: list[Column] = [
-    _c("sample_uid", pa.string(), "Unique key `{run_id}/{iteration}/{index}` (eval: `{run_id}/eval-{iteration}/{index}`).", False),
+    _c("sample_uid", pa.string(), "Unique key `{run_id}/{iteration}/{index}` for kind train; `{run_id}/{kind}-{iteration}/{index}` for the others (`eval-5`, `filtered-5`, `aborted-5`, `partial-5`).", False),
     _c("run_id", pa.string(), "Run that generated the sample; the table's partition column.", False),
     _c("iteration", pa.int64(), "RL iteration (rollout round) that generated it.", False),
     _c("weight_version", pa.int64(), "Policy weight version that generated the response.", False),
     _c("group_index", pa.int64(), "Index of the prompt group (samples of one prompt share it)."),
     _c("sample_index", pa.int64(), "Index of the sample within the iteration."),
-    _c("kind", pa.string(), "'train' (rollout for training) or 'eval' (evaluation rollout).", False),
+    _c("kind", pa.string(), "'train' (rollout trained on), 'filtered' (group rejected by the dynamic sampling filter), 'aborted' (group stopped once enough were kept), 'partial' (such a group with partial_rollout on: continued next iteration) or 'eval' (evaluation rollout).", False),
     _c("prompt", pa.string(), "Prompt text as given to the engine."),
     _c("prompt_token_ids", pa.list_(pa.int32()), "Token ids of the prompt."),
     _c("response", pa.string(), "Generated response text."),
@@ -73,7 +73,7 @@ TRAIN_STEPS: list[Column] = [
     _c("n_response_tokens", pa.int64(), "Number of response tokens trained on."),
     _c("pg_loss", pa.float64(), "Policy-gradient loss."),
     _c("pg_clipfrac", pa.float64(), "Fraction of tokens where the PPO ratio was clipped."),
-    _c("ppo_kl", pa.float64(), "Mean KL between the rollout policy and the current policy (PPO ratio)."),
+    _c("ppo_kl", pa.float64(), "Mean of lp_old - lp over response tokens, lp_old from the trainer's weights at the start of the training call (not the engine: see metrics.train_rollout_logprob_abs_diff)."),
     _c("kl_loss", pa.float64(), "KL penalty to the reference policy."),
     _c("entropy", pa.float64(), "Mean token entropy of the policy."),
     _c("grad_norm", pa.float64(), "Gradient norm before clipping."),
@@ -99,7 +99,7 @@ EVALS: list[Column] = [
 RUNS: list[Column] = [
     _c("run_id", pa.string(), "Run identifier; key.", False),
     _c("config", pa.string(), "JSON of the full run configuration."),
-    _c("status", pa.string(), "created | running | completed | failed | cancelled (free-form)."),
+    _c("status", pa.string(), "running | completed | failed (`rlake status` shows a running run whose process is gone as interrupted; never stored)."),
     _c("mlflow_run_id", pa.string(), "MLflow run id tracking this run."),
     _c("parent_run_id", pa.string(), "Run this one was resumed/forked from."),
     _c("replay_of", pa.string(), "Run whose trajectories this run replays."),

@@ -1,7 +1,7 @@
 """RL math as slime defines it: KL estimators, clipped policy losses, advantage estimators.
 
 Every function is a small pure function on torch tensors; its docstring gives its formula.
-Definitions follow ``reference/ALGORITHMS.md`` (slime's formulas and edge cases).
+Definitions follow slime's formulas and edge cases, written out in ``docs/algorithms.md``.
 
 Conventions
 -----------
