@@ -12,10 +12,16 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rewards.registry import Scorer
-from rollout.context import RolloutContext, checked_groups, group_samples
+from rollout.context import (
+    RolloutContext,
+    check_samples,
+    checked_groups,
+    group_samples,
+    refuse_pending,
+)
 from rollout.data import load_prompt_file
 from rollout.engine import SamplingParams
-from rollout.functions import call
+from rollout.functions import call_named
 from rollout.rollout import generate_samples, make_samples
 from rollout.sample import Sample
 
@@ -73,10 +79,18 @@ def default_eval_rollout(ctx: RolloutContext, eval_set: EvalSet) -> list[list[Sa
 EVAL_KEY = "eval.eval_function_path"
 
 
-def eval_fn_groups(out: object, path: str | None, eval_set: EvalSet) -> list[list[Sample]]:
-    """The groups an ``eval_function_path`` function returned, checked (``checked_groups``)."""
-    return checked_groups(out, f"{EVAL_KEY} '{path}' returned", "expected a list of groups "
-                          f"(lists of Sample), one per prompt of eval set '{eval_set.name}'")
+def eval_fn_groups(out: object, path: str | None, eval_set: EvalSet,
+                   vocab_size: int | None = None) -> list[list[Sample]]:
+    """The groups an ``eval_function_path`` function returned, checked: a list of groups
+    (``checked_groups``) of generated samples (none 'pending': 500 never-generated samples were
+    scored and recorded as accuracy 0, review 2026-11-29), each sample's tokens within the
+    vocabulary and the set's budget (``check_samples``)."""
+    where = f"{EVAL_KEY} '{path}' returned"
+    groups = checked_groups(out, where, "expected a list of groups "
+                            f"(lists of Sample), one per prompt of eval set '{eval_set.name}'")
+    refuse_pending(groups, where)
+    check_samples((s for g in groups for s in g), where, eval_set.sampling.max_new_tokens, vocab_size)
+    return groups
 
 
 def run_eval_set(ctx: RolloutContext, eval_set: EvalSet, eval_fn=None) -> list[list[Sample]]:
@@ -86,7 +100,8 @@ def run_eval_set(ctx: RolloutContext, eval_set: EvalSet, eval_fn=None) -> list[l
         groups = default_eval_rollout(ctx, eval_set)
     else:
         path = ctx.cfg.eval.eval_function_path or getattr(eval_fn, "__qualname__", repr(eval_fn))
-        groups = eval_fn_groups(call(eval_fn, ctx, eval_set), path, eval_set)
+        out = call_named(f"{EVAL_KEY} '{path}'", eval_fn, ctx, eval_set)
+        groups = eval_fn_groups(out, path, eval_set, ctx.vocab_size())
     for g in groups:
         if len(g) != eval_set.n_samples:
             raise ValueError(f"eval set '{eval_set.name}': a group has {len(g)} samples, "

@@ -72,5 +72,24 @@ def call(fn: Callable, *args: Any) -> Any:
     return out
 
 
+class UserFunctionError(RuntimeError):
+    """An exception raised inside a user's function, re-raised naming the function."""
+
+
+def call_named(label: str, fn: Callable, *args: Any) -> Any:
+    """``call``, with an exception the function raises re-raised naming it (``label``: its config
+    key and path), the original chained: a bare "error: 'nope'" (a KeyError in a generate
+    function) did not say which user function failed (review, 2026-11-29). One already named (a
+    generate function's, raised through the rollout function that called ``ctx.generate``)
+    passes as it is, naming the innermost function. Only ``Exception``: Ctrl-C
+    (KeyboardInterrupt) and SystemExit pass through as they are."""
+    try:
+        return call(fn, *args)
+    except UserFunctionError:
+        raise
+    except Exception as err:
+        raise UserFunctionError(f"{label} raised {type(err).__name__}: {err}") from err
+
+
 async def _await(awaitable):
     return await awaitable

@@ -11,11 +11,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rollout.context import RolloutContext, RolloutOutput, checked_groups, renumber
+from rollout.context import (
+    RolloutContext,
+    RolloutOutput,
+    check_indexes,
+    check_samples,
+    checked_groups,
+    refuse_pending,
+    renumber,
+)
 from rollout.dynamic import default_rollout, filter_label
 from rollout.filters import check_reward_nonzero_std
-from rollout.functions import call, load_configured
-from rollout.sample import Sample, Status
+from rollout.functions import call_named, load_configured
+from rollout.sample import Sample
 
 ROLLOUT_KEY = "rollout.rollout_function_path"
 
@@ -38,10 +46,7 @@ def named_filter(fn: Callable, cfg) -> Callable[[list[Sample]], bool]:
     label = filter_label(cfg)
 
     def keep(group: list[Sample]) -> bool:
-        try:
-            return bool(call(fn, cfg, group))
-        except Exception as err:
-            raise RuntimeError(f"{label} raised {type(err).__name__}: {err}") from err
+        return bool(call_named(label, fn, cfg, group))
 
     return keep
 
@@ -62,11 +67,7 @@ def rollout_groups(out: object, path: str, n_samples_per_prompt: int) -> list[li
         raise ValueError(f"{where} a group of {size} samples (group {i}, {len(uneven)} uneven in all): "
                          f"every group holds rollout.n_samples_per_prompt = {n_samples_per_prompt} "
                          "samples (advantages are normalised within a group)")
-    pending = sum(s.status == Status.PENDING for g in groups for s in g)
-    if pending:
-        total = sum(len(g) for g in groups)
-        raise ValueError(f"{where} {pending} of {total} samples still 'pending' (never generated): "
-                         "generate them with ctx.generate(samples) before returning them")
+    refuse_pending(groups, where)
     return groups
 
 
@@ -86,11 +87,26 @@ class Rollout:
         if self.rollout_fn is None:
             return default_rollout(ctx, iteration, keep=self.keep)
         start = ctx.data_position
-        out = call(self.rollout_fn, ctx, iteration)
-        groups = rollout_groups(out, self.cfg.rollout.rollout_function_path,
-                                self.cfg.rollout.n_samples_per_prompt)
+        path = self.cfg.rollout.rollout_function_path
+        out = call_named(f"{ROLLOUT_KEY} '{path}'", self.rollout_fn, ctx, iteration)
+        groups = rollout_groups(out, path, self.cfg.rollout.n_samples_per_prompt)
+        checked_samples(out, groups, ctx, f"{ROLLOUT_KEY} '{path}' returned")
         if not isinstance(out, RolloutOutput):
             out = RolloutOutput(groups=renumber(groups))
         out.stats.setdefault("rollout/prompts_drawn", float(ctx.data_position - start))
         out.stats["rollout/data_position_end"] = float(ctx.data_position)
         return out
+
+
+def checked_samples(out: object, groups: list[list[Sample]], ctx: RolloutContext, where: str) -> None:
+    """Every sample a rollout function returned (its filtered and aborted ones too: they are
+    rows as well), checked before anything of the iteration is written: tokens, mask, log-probs
+    and length (``check_samples``, against the rollout's budget ``ctx.sampling.max_new_tokens``,
+    rollout_max_response_len), and, for a RolloutOutput, whose indexes rlake keeps, unique
+    indexes (``check_indexes``; a list of groups is renumbered)."""
+    kinds = [("train", groups)]
+    if isinstance(out, RolloutOutput):
+        kinds += [("filtered", out.filtered), ("aborted", out.aborted)]
+        check_indexes(kinds, where)
+    check_samples((s for _, gs in kinds for g in gs for s in g), where, ctx.sampling.max_new_tokens,
+                  ctx.vocab_size())

@@ -6,8 +6,7 @@ import pyarrow as pa
 
 from buffer.schema import rows_to_table
 from infra.runtime import Runtime
-from rewards.registry import score_samples
-from rollout.context import RolloutContext, RolloutOutput
+from rollout.context import RolloutContext, RolloutOutput, score_unscored
 from rollout.sample import Sample, Status
 from tasks.step import step_task
 
@@ -39,10 +38,9 @@ def engine_counters(engine) -> dict[str, float]:
 
 @step_task(name="score")
 def score(rt: Runtime, samples: list[Sample]) -> int:
-    """Rewards in place for samples not scored yet; returns how many samples' reward failed."""
-    todo = [s for s in samples if s.reward is None]
-    if todo:
-        score_samples(todo, rt.reward_fn)
+    """Rewards in place for samples not scored yet, rewards set already checked as scored ones
+    are (``score_unscored``); returns how many samples' reward failed."""
+    score_unscored(samples, rt.reward_fn)
     return sum(s.status == Status.FAILED and "error" in s.reward_detail for s in samples)
 
 
