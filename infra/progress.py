@@ -15,6 +15,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from infra.config import RunConfig
 
 
+def accuracy_text(accuracy: float) -> str:
+    """An eval accuracy as shown: NaN (every reward of the set failed, tasks/eval.py) is
+    "none", not "nan" (the iteration line showed "acc nan")."""
+    return "none" if accuracy != accuracy else f"{accuracy:.3f}"
+
+
 class RichReporter:
     """Turns (event, payload) from the pipeline into two progress bars and a line per eval."""
 
@@ -38,7 +44,8 @@ class RichReporter:
                                                   completed=p["start"], info="")
         elif event == "eval":
             self.last_acc = p["accuracy"]
-            score = "none (its rewards failed)" if p["accuracy"] != p["accuracy"] else f"{p['accuracy']:.3f}"
+            score = accuracy_text(p["accuracy"])
+            score += " (its rewards failed)" if score == "none" else ""
             self.console.print(f"  eval after iteration {p['iteration']}: held-out accuracy "
                                f"[bold]{score}[/]")
         elif event == "warning":
@@ -53,7 +60,7 @@ class RichReporter:
         elif event == "iteration" and self.rl_task is not None:
             if "eval/accuracy" in p:
                 self.__call__("eval", {"iteration": p["iteration"] + 1, "accuracy": p["eval/accuracy"]})
-            acc = "" if self.last_acc is None else f" | acc {self.last_acc:.3f}"
+            acc = "" if self.last_acc is None else f" | acc {accuracy_text(self.last_acc)}"
             # a replay generates nothing: no tokens/s
             speed = f" | {p['rollout/tokens_per_s']:.0f} tok/s" if p.get("rollout/tokens_per_s") else ""
             # a batch reused from the lake whose commit holds no rollout stats has no reward
@@ -160,10 +167,13 @@ def next_commands(summary: dict) -> list[str]:
     lake = shlex.quote(lake_uri)
     # a lake of its own (not HOME/lake): status and report read HOME/lake unless told
     own_lake = "" if lake_uri == str(Path(summary["home"]).resolve() / "lake") else f" --lake {lake}"
-    query = ("SELECT iteration, avg(reward) AS reward FROM trajectories WHERE kind = 'train' "
-             "GROUP BY 1 ORDER BY 1")
+    # this run's rows only: a lake may hold other runs (replays, a shared lake). In double
+    # quotes: a run id is letters, digits, '.', '_', '-' (config.check_run_id), nothing a shell
+    # expands, and shlex's quoting of the SQL's own quotes was unreadable
+    query = ('"SELECT iteration, avg(reward) AS reward FROM trajectories '
+             f"WHERE run_id = '{summary['run_id']}' AND kind = 'train' GROUP BY 1 ORDER BY 1\"")
     return [f"{rlake} status {run_id} --home {home}{own_lake}",
-            f"{rlake} sql {shlex.quote(query)} --lake {lake}",
+            f"{rlake} sql {query} --lake {lake}",
             f"{rlake} report {run_id} --home {home}{own_lake} --out report.html",
             f"{rlake} ui mlflow --home {home}",
             f"{rlake} ui prefect --home {home}"]

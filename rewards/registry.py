@@ -6,8 +6,11 @@ a float (or a dict with a ``"score"`` key). ``rm_type`` names one of ``REGISTRY`
 with ``<name>``; no box scores 0). A sample's ``metadata["rm_type"]`` overrides the configured one;
 ``custom_rm_path`` (``fn(cfg, sample)``, slime's shape) replaces the registry for the others.
 
-``score_samples`` scores a batch concurrently; a function that raises, times out or returns NaN/inf
-marks that sample ``failed`` with the reason in ``reward_detail["error"]``. A ``custom_rm_path``
+``score_samples`` scores a batch concurrently; a function that raises, times out, returns NaN/inf,
+a reward too large to train on (``MAX_ABS_REWARD``) or anything but a number (``bool`` excluded) or
+a dict holding a number under ``"score"`` marks that sample ``failed`` with the reason in
+``reward_detail["error"]``. The rewards that compare the response with the label
+(``LABELLED``) fail a sample that has none (``check_label``). A ``custom_rm_path``
 function runs in worker processes (``rewards.workers``: a call past ``reward_timeout_s`` is killed
 with its worker); the built-in rewards are bounded-time code of ours (no exponents, inputs capped
 in length), so they run inline, one after another (256 ``addition`` samples: 0.15 ms inline,
@@ -19,6 +22,7 @@ wait on the network together; a function added with ``register`` runs in threads
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -30,8 +34,9 @@ from rewards.remote import remote_reward
 from rewards.tasks import countdown_reward
 from rewards.text import exact_answer_reward, f1_score
 from rewards.workers import RewardWorkers
+from rollout.data import locate, short_repr
 from rollout.functions import call, load_configured, load_function
-from rollout.sample import Sample, Status, detail_json, nonfinite_reason
+from rollout.sample import MAX_ABS_REWARD, Sample, Status, detail_json, nonfinite_reason, too_large_reason
 
 RewardFn = Callable[[str, "str | None", dict], "float | dict"]
 SampleScorer = Callable[[Sample], "float | dict"]
@@ -40,19 +45,52 @@ __all__ = ["REGISTRY", "RewardFn", "Scorer", "get_reward_fn", "load_function", "
            "resolve_rm_type", "score_samples"]
 
 
+
+# The built-in rewards that compare the response with the label: with no label, ``label or ""``
+# scored an empty response 1.0 (exact, f1), so a missing one fails the sample instead.
+LABELLED = frozenset({"exact", "addition", "math", "f1"})
+
+
+def missing_label(label: str | None) -> str | None:
+    """Why ``label`` cannot be compared with (None or blank text), else None."""
+    if label is None:
+        return "the label is null (missing)"
+    if not label.strip():
+        return f"the label is {'empty' if not label else 'only whitespace'}"
+    return None
+
+
+def check_label(name: str, label: str | None) -> str:
+    """``label`` if the ``name`` reward can compare with it; else a ValueError with the reason
+    (the one check the label-comparing rewards share; the sample is marked failed)."""
+    problem = missing_label(label)
+    if problem is not None or label is None:
+        raise ValueError(f"{name} reward needs a label: {problem}")
+    return label
+
+
 def _exact(response: str, label: str | None, metadata: dict) -> float:
-    return exact_answer_reward(response, label or "")
+    return exact_answer_reward(response, check_label("exact", label))
+
+
+def _addition(response: str, label: str | None, metadata: dict) -> float:
+    """``exact`` under the name the config gives it (the error names the reward it set)."""
+    return exact_answer_reward(response, check_label("addition", label))
 
 
 def _f1(response: str, label: str | None, metadata: dict) -> float:
-    return f1_score(response, label or "")
+    return f1_score(response, check_label("f1", label))
+
+
+def _math(response: str, label: str | None, metadata: dict) -> float:
+    return math_reward(response, check_label("math", label), metadata)
 
 
 REGISTRY: dict[str, RewardFn] = {
     "exact": _exact,
-    "addition": _exact,
+    "addition": _addition,
     "countdown": countdown_reward,
-    "math": math_reward,
+    "math": _math,
     "f1": _f1,
 }
 
@@ -78,21 +116,60 @@ def _boxed(inner: RewardFn, response: str, label: str | None, metadata: dict) ->
     return 0.0 if boxed is None else inner(boxed, label, metadata)
 
 
+def label_reward(rm_type: str | None) -> str | None:
+    """The built-in reward ``rm_type`` names (``boxed_`` stripped) if it compares with the label
+    (``LABELLED``, not replaced with ``register``), else None (countdown, remote, custom ones:
+    whether they need a label is theirs to say)."""
+    name = rm_type or ""
+    while name.startswith("boxed_"):
+        name = name.removeprefix("boxed_")
+    return name if name in LABELLED and bounded(name) else None
+
+
+def row_reward(record: dict, rm_type: str, custom_rm_path: str | None) -> str | None:
+    """The reward that scores a prompt record, as ``Scorer.__call__`` picks it: the record's
+    ``metadata["rm_type"]``, else the custom function (None here: not a name), else ``rm_type``."""
+    override = (record.get("metadata") or {}).get("rm_type")
+    if override:
+        return str(override)
+    return None if custom_rm_path else rm_type
+
+
+def check_labels(records: list[dict], source: str, rm_type: str,
+                 custom_rm_path: str | None = None) -> None:
+    """A ValueError naming the file and line of the first record whose reward compares with the
+    label (``label_reward``) but which has none: found at load, not as a failed sample at every
+    iteration (``check_label`` is the backstop for data that did not come through here)."""
+    for i, rec in enumerate(records):
+        name = label_reward(row_reward(rec, rm_type, custom_rm_path))
+        problem = missing_label(rec.get("label")) if name else None
+        if problem is not None:
+            raise ValueError(f"{locate(source, rec.get('row', i))}: {problem}, but its reward "
+                             f"'{name}' compares the response with the label (an empty response "
+                             "would match); give every row a label (data.label_key) or use a "
+                             "reward that needs none")
+
+
 def resolve_rm_type(rm_type: str, rm_url: str | None = None, timeout_s: float = 10.0,
                     retries: int = 2) -> Callable[[Sample], float | dict]:
     """A per-sample scorer for ``rm_type``; a clear error for an unknown name."""
     if rm_type.startswith("boxed_"):
         inner = resolve_rm_type(rm_type.removeprefix("boxed_"), rm_url, timeout_s, retries)
+        labelled = label_reward(rm_type)
 
         def boxed(sample: Sample) -> float | dict:
+            if labelled:  # before the box: no box scored 0, hiding a missing label
+                check_label(labelled, sample.label)
             box = last_boxed(sample.response)
             return 0.0 if box is None else inner(replace(sample, response=box))
         return boxed
     if rm_type == "remote":
         if not rm_url:
             raise ValueError("rm_type 'remote' needs rollout.rm_url")
-        return lambda s: remote_reward(rm_url, s.prompt if isinstance(s.prompt, str) else str(s.prompt),
-                                       s.response, s.label, s.metadata, timeout_s, retries)
+        # a chat goes as its list of messages (JSON), not str() of it: Python's repr,
+        # "[{'role': 'user', ...}]", which the server could not parse
+        return lambda s: remote_reward(rm_url, s.prompt, s.response, s.label, s.metadata,
+                                       timeout_s, retries)
     if rm_type not in REGISTRY:
         raise ValueError(f"unknown rm_type '{rm_type}'; known: {sorted(REGISTRY)}, 'remote', "
                          "'boxed_<name>' (or set custom_rm_path)")
@@ -205,6 +282,15 @@ class Scorer:
                                                    self.remote_retries)
         return self._cache[rm_type]
 
+    def reward_name(self, sample: Sample) -> str:
+        """The reward that scores ``sample``, for error messages (as ``__call__`` picks it)."""
+        override = sample.metadata.get("rm_type")
+        if override:
+            return _describe(str(override), self.rm_url)
+        if self._custom is not None:
+            return f"custom reward {self.custom_rm_path}"
+        return _describe(self.rm_type, self.rm_url)
+
     def __call__(self, sample: Sample) -> float | dict:
         override = sample.metadata.get("rm_type")
         if override:
@@ -214,21 +300,49 @@ class Scorer:
         return self._resolve(self.rm_type)(sample)
 
 
-def _as_score(value: float | dict) -> tuple[float, dict]:
-    """(score, detail): a dict's ``score`` key, or the float itself; NaN and +-inf are errors
-    (one inf reward makes every mean/std over the batch inf or NaN)."""
+def _describe(rm_type: str, rm_url: str | None) -> str:
+    return f"remote reward {rm_url}" if rm_type == "remote" else f"reward '{rm_type}'"
+
+
+_SHAPE = "return a number or {'score': number}"
+
+
+def _number(value: object, who: str, in_dict: bool = False) -> float:
+    """``value`` as a float if it is a real number (ints, floats, NumPy numbers; not a bool),
+    finite and at most ``MAX_ABS_REWARD`` in magnitude; else a ValueError naming ``who``.
+    ``float()`` of anything took "0.7" as 0.7 and True as 1, and None or a list gave
+    "float() argument must be ..." naming no function."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        shown = "None" if value is None else f"{type(value).__name__} {short_repr(value)}"
+        got = f"{{'score': {shown}}}" if in_dict else shown
+        raise ValueError(f"{who} returned {got}: {_SHAPE}")
+    score: float | None
+    try:
+        score = float(value)
+    except OverflowError:  # an int beyond float64 (10**400): too large, as below
+        score = None
+    if score is not None and not math.isfinite(score):
+        raise ValueError(nonfinite_reason(score))
+    if score is None or abs(score) > MAX_ABS_REWARD:
+        raise ValueError(too_large_reason(f"{score:g}" if score is not None else short_repr(value)))
+    return score
+
+
+def _as_score(value: object, who: str = "reward") -> tuple[float, dict]:
+    """(score, detail): a dict's ``score`` key, or the number itself, checked by ``_number``
+    (NaN and +-inf made every mean/std over the batch inf or NaN); ``who`` names the reward in
+    the error. The same rule for every reward: local, custom, remote."""
     if isinstance(value, dict):
         if "score" not in value:
-            raise ValueError("reward dict has no 'score' key")
-        score, detail = float(value["score"]), dict(value)
+            raise ValueError(f"{who} returned a dict without 'score' (keys: "
+                             f"{short_repr(sorted(map(str, value)))}): {_SHAPE}")
+        score, detail = _number(value["score"], who, in_dict=True), dict(value)
         try:  # here, not at the lake append: one odd dict crashed the whole run there
             detail_json(detail)
         except (TypeError, ValueError, RecursionError) as err:
             raise ValueError(f"reward dict cannot be stored as JSON ({err})") from None
     else:
-        score, detail = float(value), {}
-    if not math.isfinite(score):
-        raise ValueError(nonfinite_reason(score))
+        score, detail = _number(value, who), {}
     return score, detail
 
 
@@ -252,11 +366,19 @@ def score_samples(samples: list[Sample], scorer: SampleScorer | RewardFn, timeou
         try:
             if not outcome.ok:
                 raise RuntimeError(outcome.error)
-            sample.reward, sample.reward_detail = _as_score(outcome.value)
+            sample.reward, sample.reward_detail = _as_score(outcome.value, _who(scorer, sample))
         except Exception as err:  # noqa: BLE001 - any user error marks the sample failed
             failures += 1
             _fail(sample, str(err) if isinstance(err, RuntimeError) else f"{type(err).__name__}: {err}")
     return failures
+
+
+def _who(scorer: SampleScorer | RewardFn, sample: Sample) -> str:
+    """The reward's name for an error message: a Scorer's pick for ``sample``, else the
+    function's name."""
+    if isinstance(scorer, Scorer):
+        return scorer.reward_name(sample)
+    return f"reward {getattr(scorer, '__qualname__', type(scorer).__name__)}"
 
 
 def _fail(sample: Sample, reason: str) -> None:

@@ -1,7 +1,9 @@
 """A remote reward model: HTTP POST of the sample as JSON to ``rm_url``, with timeout + retries.
 
-Request body: ``{"prompt", "response", "label", "metadata"}``. Reply: a JSON number, or an
-object with ``"score"`` (or ``"reward"``) and any details. Connection errors, timeouts and HTTP
+Request body: ``{"prompt", "response", "label", "metadata"}``; ``prompt`` is the text, or for a
+chat prompt the list of messages (``{"role", "content", ...}`` objects) as the data gave them.
+Reply: a JSON number, or an object with a number under ``"score"`` (or ``"reward"``) and any
+details; anything else fails the sample (``rewards.registry``). Connection errors, timeouts and HTTP
 5xx are retried ``retries`` times with exponential backoff (``backoff_s * 2**attempt``); a 4xx or
 a reply without a score fails at once.
 """
@@ -25,22 +27,18 @@ def post_json(url: str, payload: dict, timeout_s: float) -> object:
         return json.loads(resp.read().decode() or "null")
 
 
-def parse_reply(reply: object) -> float | dict:
-    """A number, or a dict holding ``score`` (``reward`` is renamed to ``score``)."""
-    if isinstance(reply, bool) or reply is None:
-        raise RemoteRewardError(f"remote reward reply is not a score: {reply!r}")
-    if isinstance(reply, int | float):
-        return float(reply)
-    if isinstance(reply, dict):
-        if "score" in reply:
-            return reply
-        if "reward" in reply:
-            return {**reply, "score": reply["reward"]}
-    raise RemoteRewardError(f"remote reward reply has no 'score': {reply!r}")
+def parse_reply(reply: object) -> object:
+    """The reply as a reward value: a dict's ``reward`` is renamed ``score``. Its type is judged
+    by the rule every reward meets (``rewards.registry``: a number, not a bool, or a dict with
+    a number under ``score``); here ``{"score": true}`` and ``{"score": "0.7"}`` were accepted
+    (and coerced) while a bare ``true`` was refused."""
+    if isinstance(reply, dict) and "score" not in reply and "reward" in reply:
+        return {**reply, "score": reply["reward"]}
+    return reply
 
 
-def remote_reward(url: str, prompt: str, response: str, label: str | None, metadata: dict,
-                  timeout_s: float = 10.0, retries: int = 2, backoff_s: float = 0.2) -> float | dict:
+def remote_reward(url: str, prompt: str | list[dict], response: str, label: str | None, metadata: dict,
+                  timeout_s: float = 10.0, retries: int = 2, backoff_s: float = 0.2) -> object:
     payload = {"prompt": prompt, "response": response, "label": label, "metadata": metadata}
     last: Exception | None = None
     for attempt in range(retries + 1):

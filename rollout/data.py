@@ -126,9 +126,14 @@ def _record(where: str, raw: dict, row: int, input_key: str, label_key: str | No
     prompt = raw[input_key]
     if not isinstance(prompt, str | list) or not prompt or (isinstance(prompt, str) and not prompt.strip()):
         raise ValueError(f"{where}: '{input_key}' must be a non-empty string or a list of messages")
-    if isinstance(prompt, list) and not all(_is_message(m) for m in prompt):
-        raise ValueError(f"{where}: '{input_key}' is a list, so each item must be a message: an "
-                         "object with 'role' and 'content' (a string; null only with 'tool_calls')")
+    if isinstance(prompt, list):
+        for i, message in enumerate(prompt, start=1):
+            problem = _message_problem(message)
+            if problem is not None:
+                raise ValueError(f"{where}: '{input_key}' is a list, so each item must be a message "
+                                 "(an object with 'role', a non-empty string, and 'content', a "
+                                 "non-empty string; null or empty only with 'tool_calls'): "
+                                 f"message {i} {problem}")
     metadata = raw[metadata_key] if metadata_key else {}
     if isinstance(metadata, str):
         try:
@@ -148,12 +153,43 @@ def _record(where: str, raw: dict, row: int, input_key: str, label_key: str | No
     return record
 
 
-def _is_message(m: Any) -> bool:
-    """A chat message whose content a template (or the plain join) can use: null content only
-    on an assistant's tool call, as OpenAI's format writes it (else it became the text "None")."""
-    if not isinstance(m, dict) or "content" not in m:
-        return False
-    return m["content"] is not None or bool(m.get("tool_calls"))
+def _message_problem(m: Any) -> str | None:
+    """What keeps ``m`` from being a chat message a template (or the plain join) can use, or
+    None. Content must be text: a list of parts (``[{"type": "text", ...}]``) or a number
+    became its Python repr in the prompt, and empty content left a prompt of only the template's
+    tokens (the BOS alone), which was trained on. Null (or empty) content is allowed only on an
+    assistant's tool call, as OpenAI's format writes it (else it became the text "None"). A role
+    must be a non-empty string: the template cannot place a message without one. The role is not
+    matched against a list: a template's roles (system, user, assistant, tool, developer, ...)
+    are the template's to know."""
+    if not isinstance(m, dict):
+        return f"is {type(m).__name__} {short_repr(m)}, not an object"
+    if "role" not in m:
+        return "has no 'role'"
+    role = m["role"]
+    if not isinstance(role, str) or not role.strip():
+        return f"has 'role' {short_repr(role)}: it must be a non-empty string (user, assistant, ...)"
+    if "content" not in m:
+        return "has no 'content'"
+    content = m["content"]
+    if m.get("tool_calls") and (content is None or isinstance(content, str)):
+        return None
+    if content is None or content == "":
+        return f"has {'null' if content is None else 'empty'} 'content' (allowed only beside 'tool_calls')"
+    if isinstance(content, list):
+        return ("has 'content' as a list (of parts?): rlake takes text only; give the text as "
+                "one string")
+    if not isinstance(content, str):
+        return f"has 'content' {type(content).__name__} {short_repr(content)}: it must be a string"
+    if not content.strip():
+        return "has 'content' of only whitespace"
+    return None
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)``, cut to 60 characters (a 10 MB value in an error message is no help)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _label_text(where: str, label_key: str | None, label: Any) -> str | None:

@@ -102,8 +102,8 @@ class Sample:
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Sample:
-        """The sample a row holds; a non-finite reward (written before rewards were checked)
-        comes back as a failed sample, as scoring marks one today."""
+        """The sample a row holds; a non-finite or too large reward (written before rewards
+        were checked) comes back as a failed sample, as scoring marks one today."""
         metadata = json.loads(row.get("metadata") or "{}")
         extra = metadata.pop(SAMPLE_KEY, {})
         prompt = row["prompt"]
@@ -111,8 +111,8 @@ class Sample:
             prompt = json.loads(prompt)
         reward, detail = row.get("reward"), json.loads(row.get("reward_detail") or "{}")
         status = Status(row.get("status") or "pending")
-        if reward is not None and not math.isfinite(reward):
-            reward, detail, status = 0.0, {"error": nonfinite_reason(reward)}, Status.FAILED
+        if reward is not None and not usable_reward(reward):
+            reward, detail, status = 0.0, {"error": unusable_reward_reason(reward)}, Status.FAILED
         return cls(
             group_index=row["group_index"],
             index=row["sample_index"],
@@ -142,14 +142,37 @@ def detail_json(detail: dict[str, Any]) -> str:
     return json.dumps(detail, default=str)
 
 
+# The largest reward magnitude accepted. Rewards train as float32 (trainers/torch_trainer.py) and
+# are squared in statistics (PPO's value loss, whitening, the rollout metrics' std): 1e15 squared
+# is 1e30, which summed over 1e8 tokens stays below float32's largest number (3.4e38). A larger
+# one (1e308 passed the NaN/inf check) became inf there, or stopped the run in the metrics' fsum.
+MAX_ABS_REWARD = 1e15
+
+
 def nonfinite_reason(reward: float) -> str:
     return f"reward is {'NaN' if math.isnan(reward) else reward} (not a finite number)"
 
 
+def too_large_reason(shown: str) -> str:
+    return (f"reward {shown} too large: |reward| must be <= {MAX_ABS_REWARD:g} "
+            "(rewards train as float32 and are squared in statistics)")
+
+
+def usable_reward(reward: float) -> bool:
+    """Finite and at most ``MAX_ABS_REWARD`` in magnitude."""
+    return math.isfinite(reward) and abs(reward) <= MAX_ABS_REWARD
+
+
+def unusable_reward_reason(reward: float) -> str:
+    """Why a reward that is not ``usable_reward`` is refused."""
+    return nonfinite_reason(reward) if not math.isfinite(reward) else too_large_reason(f"{reward:g}")
+
+
 def train_reward(reward: float | None) -> float:
-    """The reward a sample trains with: a failed or missing one (None, NaN, +-inf) is 0.0, so
-    its group still trains (the same rule as ``rewards.registry.score_samples``)."""
-    return float(reward) if reward is not None and math.isfinite(reward) else 0.0
+    """The reward a sample trains with: a failed or missing one (None, NaN, +-inf, or one over
+    ``MAX_ABS_REWARD`` from a lake written before that check) is 0.0, so its group still trains
+    (the same rule as ``rewards.registry.score_samples``)."""
+    return float(reward) if reward is not None and usable_reward(reward) else 0.0
 
 
 def sample_uid(run_id: str, iteration: int, index: int, kind: str = "train") -> str:

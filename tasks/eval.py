@@ -41,6 +41,15 @@ def first_failure(samples: list[Sample]) -> str:
     return str(detail.get("error", detail))[:200]
 
 
+def failed_share(samples: list[Sample]) -> str:
+    """How many samples' rewards failed, for the warning: "100%" when all did, else the count
+    and a percentage with one decimal ("2/500 (0.4%)": ``:.0%`` read 2 of 500 as "0%")."""
+    failed = sum(s.status == Status.FAILED for s in samples)
+    if failed == len(samples):
+        return "100%"
+    return f"{failed}/{len(samples)} ({failed / len(samples):.1%})"
+
+
 def mlflow_key(dataset: str, metric: str) -> str:
     """``eval/{metric}`` for the held-out set, else ``eval/{dataset}/{metric}``; MLflow refuses
     '@', so ``pass@k`` is logged as ``pass_at_k`` (the evals table keeps ``pass@k``)."""
@@ -72,7 +81,7 @@ def evaluate(rt: Runtime, iteration: int) -> dict[str, float]:
             scored = ("no score is recorded" if "pass@1" not in metrics else
                       "they count as reward 0 in its scores")
             rt.report("warning", {"message": f"eval after iteration {iteration}: the reward failed "
-                                  f"for {metrics['failed_ratio']:.0%} of eval set "
+                                  f"for {failed_share(samples)} of eval set "
                                   f"'{eval_set.name}''s samples ({first_failure(samples)}); "
                                   f"{scored} (each error: trajectories.reward_detail)"})
         if eval_set.name == HELD_OUT and "pass@1" in metrics:

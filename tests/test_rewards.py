@@ -127,9 +127,12 @@ def test_score_samples_failures_marked_and_counted():
     assert samples[0].reward == 1.0 and samples[0].status == Status.PENDING
     assert samples[1].status == Status.FAILED and "KeyError" in samples[1].reward_detail["error"]
     assert "NaN" in samples[2].reward_detail["error"] and samples[2].reward == 0.0
-    for s, shown in zip(samples[3:], ["inf", "-inf", "inf"], strict=True):  # "inf" parses as a float
+    for s, shown in zip(samples[3:5], ["inf", "-inf"], strict=True):
         assert s.status == Status.FAILED and s.reward == 0.0
         assert s.reward_detail["error"] == f"ValueError: reward is {shown} (not a finite number)"
+    # a string is not a number, even one float() would parse: refused with its type
+    assert samples[5].status == Status.FAILED and samples[5].reward == 0.0
+    assert "returned str 'inf': return a number or {'score': number}" in samples[5].reward_detail["error"]
 
 
 def test_hung_reward_times_out_and_others_still_score():
