@@ -130,8 +130,11 @@ class RolloutProcess:
             message = self.spawned.outbox.get(timeout=timeout)
         except queue.Empty:
             if awaited and not self.spawned.proc.is_alive():
+                from infra.startup import resume_command  # the command with its --home/--lake
+
                 raise RuntimeError(f"run {self.rt.run_id}: the rollout process exited "
-                                   f"(code {self.spawned.proc.exitcode}); `rlake resume` continues") from None
+                                   f"(code {self.spawned.proc.exitcode}); "
+                                   f"`{resume_command(self.rt.run_id, self.rt.cfg)}` continues") from None
             return
         if message[0] == "error":
             raise RuntimeError(f"run {self.rt.run_id}: the rollout side failed:\n{message[1]}")

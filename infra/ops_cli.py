@@ -59,14 +59,19 @@ def register(app: typer.Typer, debug: Callable[[], bool] = lambda: False) -> Non
                iterations: Annotated[str | None, typer.Option("--iterations", help="A:B (B exclusive)")] = None,
                rescore: Annotated[str | None, typer.Option("--rescore", help="reward fn (rm_type) to score again")] = None,
                config: Annotated[Path | None, typer.Option("--config", help="YAML merged over the source's config")] = None,
-               set_: SetOpt = None, run_id: Annotated[str | None, typer.Option("--run-id")] = None) -> None:
+               set_: SetOpt = None, run_id: Annotated[str | None, typer.Option("--run-id")] = None,
+               lake_uri: LakeOpt = None) -> None:
         """Train a new run from SOURCE_RUN's recorded trajectories (no generation)."""
-        lake = _lake(home, None)
+        lake = _lake(home, lake_uri)
         row = lake.get_run(source_run)
         if row is None:
-            raise ValueError(f"no run '{source_run}' in the lake under {home}")
+            raise ValueError(f"no run '{source_run}' in the lake at {lake.uri} (--lake; default "
+                             "HOME/lake)")
         data = deep_merge(json.loads(row["config"]), _yaml_mapping(config))
-        data = apply_overrides({**data, "home": home, "run_id": None}, set_ or [])
+        # the replay reads its source where it was found and writes beside it: the source's
+        # recorded lake_uri may name a path of another machine, or its home's (review, 2026-11-29)
+        data = apply_overrides({**data, "home": home, "run_id": None, "lake_uri": lake_uri},
+                               set_ or [])
         cfg = config_from_dict(data)
         from infra.progress import replay_with_progress
         from infra.startup import check_new_run_id, check_replay, new_run_id

@@ -383,6 +383,8 @@ def test_kill9_of_the_rollout_process_fails_the_run_and_resume_completes(server)
     os.kill(pid, signal.SIGKILL)
     assert run.wait(timeout=600) not in (0, -signal.SIGKILL), tail(log)
     assert "rollout process exited" in tail(log)
+    # the command that continues it, as printed: with its home (it said `rlake resume` alone)
+    assert f"`rlake resume rollout-crash --home {home}` continues" in log.read_text(), tail(log)
     assert Lake(str(home / "lake")).get_run("rollout-crash")["status"] == "failed"
 
     done = rlake(["resume", "rollout-crash", "--home", str(home)], cli_env(url), home / "r2.log")

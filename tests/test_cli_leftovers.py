@@ -8,6 +8,7 @@ import csv
 import io
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -153,3 +154,5 @@ def test_the_printed_next_commands_name_a_lake_of_its_own(tmp_path, monkeypatch)
     in_home = next_commands({"run_id": "r1", "home": "h", "lake_uri": "h/lake"})
     assert "--lake" not in in_home[0] and "--lake" not in in_home[2]
     assert f"--lake {tmp_path / 'h' / 'lake'}" in in_home[1]
+    assert "WHERE run_id = 'r1' AND kind = 'train'" in in_home[1]  # this run's rows only
+    assert shlex.split(in_home[1])[2].startswith("SELECT iteration")  # one argument to the shell

@@ -31,6 +31,22 @@ def source(tmp_path_factory):
     stop_server(home)
 
 
+
+def test_replay_of_a_run_in_a_lake_outside_the_home(source, tmp_path):
+    """A source whose lake is not HOME/lake (a shared lake) is replayed with --lake, and the
+    replay lands beside it (it was "no run 'src' in the lake under HOME", whatever was set)."""
+    home, url = source
+    other = tmp_path / "other-home"
+    log = tmp_path / "replay-lake.log"
+    args = ["replay", SOURCE, "--home", str(other), "--iterations", "2:3", "--run-id", "rep-lake"]
+    missing = rlake(args, cli_env(url), log)
+    assert missing.returncode == 1 and "--lake" in log.read_text(), tail(log)
+    proc = rlake([*args, "--lake", str(home / "lake")], cli_env(url), log)
+    assert proc.returncode == 0, tail(log)
+    run = Lake(str(home / "lake")).get_run("rep-lake")
+    assert (run["replay_of"], run["status"]) == (SOURCE, "completed")
+    assert not (other / "lake").exists()
+
 def test_replay_rescore(source):
     home, url = source
     log = home / "replay.log"
