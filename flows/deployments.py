@@ -20,6 +20,8 @@ import json
 import os
 import re
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -214,9 +216,26 @@ async def _serve(home: str | Path, maintenance_interval: float | None, limit: in
         else:
             group.cancel_scope.cancel()
 
-    await register_new()
-    async with anyio.create_task_group() as group:
-        group.start_soon(rescan)
-        group.start_soon(stop_when_asked, group)
-        await runner.start()
-        group.cancel_scope.cancel()
+    # Ctrl-C stops as SIGTERM does: the KeyboardInterrupt raised inside whatever coroutine ran
+    # cancelled the runner's clean-up (pausing the deployments) half-way, printing an asyncio
+    # "unhandled exception during asyncio.run() shutdown" and two cancel-scope tracebacks
+    # (review, 2026-11-29); as a loop signal handler it only asks the loop to stop the runner
+    with sigint_asks(loop, stop_asked):
+        await register_new()
+        async with anyio.create_task_group() as group:
+            group.start_soon(rescan)
+            group.start_soon(stop_when_asked, group)
+            await runner.start()
+            group.cancel_scope.cancel()
+
+
+@contextmanager
+def sigint_asks(loop: asyncio.AbstractEventLoop, stop_asked: asyncio.Event) -> Iterator[None]:
+    """SIGINT sets ``stop_asked`` (in ``loop``) while inside; the handler before is put back."""
+    before = signal.getsignal(signal.SIGINT)
+    loop.add_signal_handler(signal.SIGINT, stop_asked.set)
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)  # it installs Python's default handler ...
+        signal.signal(signal.SIGINT, before)  # ... not the CLI's (infra/cli.py _note_interrupts)

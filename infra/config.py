@@ -6,13 +6,24 @@ Names follow slime's flags where one exists (``rollout_batch_size``, ``n_samples
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args, get_type_hints
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
+
+from rollout.sglang.config import SGLangConfig
 
 
 class ConfigError(ValueError):
@@ -102,10 +113,68 @@ def _check_function(key: str, path: str | None) -> str | None:
     return path
 
 
+class _SGLangChecks(_Section):
+    """What ``SGLangConfig.__post_init__`` allows that a field's type cannot say (a dataclass
+    error had no key in it, and inf, nan or a negative size passed: review, 2026-11-29)."""
+
+    @model_validator(mode="after")
+    def _servers_or_urls(self) -> _SGLangChecks:
+        if not self.urls and self.num_servers < 1:
+            raise ValueError("num_servers must be >= 1 when no urls are given")
+        return self
+
+
+def _positive(kind: type) -> Any:
+    return Annotated[kind, Field(gt=0)]
+
+
+# the limits of rollout.sglang's keys as (type, default), ``...``: SGLangConfig's default; the
+# keys themselves, the other types and defaults are SGLangConfig's (one list: the engine builds
+# its SGLangConfig from this section's values)
+_SGLANG_LIMITS: dict[str, tuple[Any, Any]] = {
+    "num_servers": (Annotated[int, Field(ge=0)], ...),
+    # null: the top-level ``device`` (cpu or cuda, auto resolved where the engine starts), so
+    # ``device: cuda`` alone launches GPU servers (docs/sglang.md)
+    "device": (Literal["cpu", "cuda"] | None, None),
+    # null: SGLangConfig's 65536 on cpu, SGLang's own sizing from GPU memory on cuda
+    "max_total_tokens": (_positive(int) | None, None),
+    "concurrency": (_positive(int), ...),
+    "request_batch_size": (_positive(int), ...),
+    "weight_sync": (Literal["disk", "distributed"], ...),
+    "pause_mode": (Literal["abort", "retract", "in_place"], ...),
+    "bucket_mb": (_positive(int), ...),
+    "startup_timeout_s": (_positive(float), ...),
+    "health_interval_s": (_positive(float), ...),
+    "health_timeout_s": (_positive(float), ...),
+    "health_failures": (_positive(int), ...),
+    "max_request_attempts": (_positive(int), ...),
+    "request_timeout_s": (_positive(float), ...),
+}
+
+
+def _sglang_section() -> type[_Section]:
+    """``rollout.sglang`` as a section like the others (unknown keys, inf, nan, a boolean for a
+    number refused with the key named), its fields SGLangConfig's with ``_SGLANG_LIMITS``."""
+    hints = get_type_hints(SGLangConfig)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(SGLangConfig):
+        default = f.default_factory if f.default is dataclasses.MISSING else f.default
+        kind, limit_default = _SGLANG_LIMITS.get(f.name, (hints[f.name], ...))
+        if limit_default is not ...:
+            default = limit_default
+        fields[f.name] = ((kind, Field(default_factory=default)) if callable(default)
+                          else (kind, default))
+    return create_model("SGLangSection", __base__=_SGLangChecks, __doc__=SGLangConfig.__doc__,
+                        **fields)
+
+
+SGLangSection = _sglang_section()
+
+
 class RolloutConfig(_Section):
     engine: Literal["torch", "sglang"] = "torch"
-    sglang: dict[str, Any] = Field(default_factory=dict,
-                                   description="SGLang engine settings (docs/sglang.md)")
+    sglang: SGLangSection = Field(default_factory=SGLangSection,
+                                  description="SGLang engine settings (docs/sglang.md)")
     rollout_batch_size: int = Field(32, ge=1, description="prompts (groups) trained on per iteration")
     n_samples_per_prompt: int = Field(8, ge=1)
     rollout_max_response_len: int = Field(6, ge=1)
@@ -154,10 +223,6 @@ class RolloutConfig(_Section):
         if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < self.rollout_batch_size:
             raise ValueError(f"over_sampling_batch_size ({self.over_sampling_batch_size}) must be >= "
                              f"rollout_batch_size ({self.rollout_batch_size})")
-        if self.engine == "sglang" or self.sglang:
-            from rollout.sglang.config import SGLangConfig
-
-            SGLangConfig.from_mapping(self.sglang)  # names any unknown or bad rollout.sglang key
         return self
 
 

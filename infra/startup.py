@@ -2,7 +2,9 @@
 fail and safe to kill:
 
     check(cfg)                   config, files, paths: seconds, before anything slow starts
-    refuse_existing / load_row   a run id names one run forever (run) / must exist (resume)
+    refuse_existing / load_row   a run id names one run forever (run) / must exist (resume);
+                                 one whose run failed at start-up having written nothing but
+                                 its row is free again (``wrote_nothing``)
     record_run                   the runs row (status running) first: a kill -9 from here on
                                  leaves a run `rlake resume` continues
     PrefectServer.start          Prefect's API server starts in its own process ...
@@ -20,6 +22,7 @@ import errno
 import json
 import os
 import shlex
+import shutil
 import sys
 import tempfile
 import uuid
@@ -78,19 +81,27 @@ def check_lake_uri(cfg: RunConfig) -> None:
 def check_data(cfg: RunConfig) -> None:
     """Read every configured data file once (format, encoding, keys, a row's own ``rm_type``):
     errors name file and line."""
+    from rewards.registry import check_labels
     from rollout.data import load_prompt_file
     from rollout.evaluation import prompt_file_keys
 
-    d = cfg.data
+    d, r = cfg.data, cfg.rollout
     files = []
     if d.prompt_data:
-        files.append((d.prompt_data, (d.input_key, d.label_key, d.metadata_key, d.tool_key)))
+        files.append((d.prompt_data, (d.input_key, d.label_key, d.metadata_key, d.tool_key),
+                      r.rm_type))
     elif d.task is None:
         raise StartupError("no prompt data: set data.prompt_data (a JSONL/Parquet file) or data.task")
     # an eval set's keys as it is built (rollout.evaluation): its tool_key was not checked here
-    files += [(ds.path, prompt_file_keys(ds, d)) for ds in cfg.eval.datasets if ds.path]
-    for path, keys in files:
-        check_row_rewards(load_prompt_file(path, *keys), path, cfg.rollout.rm_url)
+    files += [(ds.path, prompt_file_keys(ds, d), ds.rm_type or r.rm_type)
+              for ds in cfg.eval.datasets if ds.path]
+    for path, keys, rm_type in files:
+        records = load_prompt_file(path, *keys)
+        check_row_rewards(records, path, r.rm_url)
+        try:  # a row without a label, scored by a reward that compares with it
+            check_labels(records, path, rm_type, r.custom_rm_path)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
 
 
 def check_row_rewards(records: list[dict], source: str, rm_url: str | None) -> None:
@@ -118,8 +129,21 @@ def _known_reward(name: str, rm_url: str | None, where: str) -> None:
         raise StartupError(f"{where}: {e}") from None
 
 
+def check_device(cfg: RunConfig) -> None:
+    """``device: cuda`` where torch sees no CUDA device: the ConfigError ``bad config value for
+    'device': ...`` (docs/gpu.md), here, before the run is recorded. Found in ``open_runtime``
+    it came after the record: a failed run holding the id, which ``rlake resume`` could not
+    mend (it reads ``device`` from the recorded config) (review, 2026-11-29). Only an explicit
+    cuda imports torch here (~2 s); auto and cpu cannot fail."""
+    if cfg.device == "cuda":
+        from infra.modeling import resolve_device
+
+        resolve_device(cfg.device)
+
+
 def check(cfg: RunConfig) -> None:
     """Everything about ``cfg`` that can be checked in seconds, before anything slow starts."""
+    check_device(cfg)
     _writable_dir(Path(cfg.home), "home")
     check_lake_uri(cfg)
     unusable = cfg.model.path and (not_a_model_folder(cfg.model.path)
@@ -203,16 +227,54 @@ def resume_command(run_id: str, cfg: RunConfig) -> str:
     return shlex.join(args)
 
 
+def start_again_command(run_id: str, cfg: RunConfig) -> str:
+    """``rlake run CONFIG --run-id RUN_ID`` with the home and lake options ``run_id`` needs."""
+    return resume_command(run_id, cfg).replace("rlake resume ", "rlake run CONFIG --run-id ", 1)
+
+
+def wrote_nothing(lake, cfg: RunConfig, run_id: str, row: dict | None) -> bool:
+    """Whether run ``run_id`` failed at start-up having written nothing but its ``runs`` row:
+    status failed, no MLflow run, no row in any other lake table, no checkpoint folder.
+    Such a run may be started again under its id (``refuse_existing``): what failed after the
+    record (a prompt longer than the model takes, a model that does not load) is in its
+    recorded config or data, which ``rlake resume`` reuses, so the id was lost for good
+    (review, 2026-11-29). A run that wrote anything keeps its id forever."""
+    if row is None or row.get("status") != "failed" or row.get("mlflow_run_id"):
+        return False
+    checkpoints = Path(cfg.home) / "runs" / run_id / "checkpoints"
+    if checkpoints.exists() and any(checkpoints.iterdir()):
+        return False
+    try:
+        return not any(lake.read(table, run_id=run_id, columns=["run_id"]).num_rows
+                       for table in lake.tables() if table != "runs")
+    except Exception:  # noqa: BLE001 - unreadable: not known to be empty, so the id stays taken
+        return False
+
+
 def refuse_existing(lake, cfg: RunConfig, run_id: str) -> None:
     """A run id names one run forever: a new run with an id the lake (or the home) already holds
-    is refused before anything of it is touched."""
+    is refused before anything of it is touched, unless that run failed at start-up having
+    written nothing but its row (``wrote_nothing``): then the new run takes the id over."""
     row = get_run_row(lake, cfg, run_id)
     run_dir = Path(cfg.home) / "runs" / run_id
     if row is None and not (run_dir / "checkpoints").exists():
         return
+    if wrote_nothing(lake, cfg, run_id, row):
+        return
     what = f"status {row['status']}" if row else "a run folder without a runs row"
     raise StartupError(f"run '{run_id}' already exists ({what}); a run id names one run: continue "
-                       f"it with `{resume_command(run_id, cfg)}`, or start a new run with another id")
+                       f"it with `{resume_command(run_id, _owner_config(cfg, row))}`, or start a "
+                       "new run with another id")
+
+
+def _owner_config(cfg: RunConfig, row: dict | None) -> RunConfig:
+    """``cfg`` with the home the existing run ``row`` recorded: in a lake shared by several
+    homes the id may belong to another home, whose resume is the one that works (the hint named
+    the refused run's home, where the resume found no checkpoint: review, 2026-11-29)."""
+    recorded = json.loads(row.get("config") or "{}").get("home") if row else None
+    if not recorded or Path(recorded).resolve() == Path(cfg.home).resolve():
+        return cfg
+    return cfg.model_copy(update={"home": recorded})
 
 
 def load_row(lake, cfg: RunConfig, run_id: str) -> dict:
@@ -333,6 +395,9 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool) -> Iterator[s
     claim_run(run_dir)  # a live owner from the start: `rlake status` does not call it interrupted
     try:
         if not resume:
+            # a run started again after a start-up failure (``wrote_nothing``): its base model
+            # is rebuilt, a complete folder there would be used as it is (another model.tiny)
+            shutil.rmtree(run_dir / "base_model", ignore_errors=True)
             record_run(lake, cfg, run_id)
             fault_point("after_run_recorded")
 
@@ -345,10 +410,8 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool) -> Iterator[s
                 if resume:
                     raise
                 mark_failed(lake, run_id)
-                if isinstance(e, Exception):  # the id is taken now: say how to go on with it
-                    raise StartupError(f"run '{run_id}' is recorded as failed before its first "
-                                       f"iteration (once mended, `{resume_command(run_id, cfg)}` "
-                                       f"starts it): {e}") from e
+                if isinstance(e, Exception):
+                    raise StartupError(failed_at_start(lake, cfg, run_id, e)) from e
                 raise
             import flows.rl  # noqa: F401 - Prefect's client side imports while its server starts
 
@@ -356,6 +419,25 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool) -> Iterator[s
             yield run_id
     finally:
         release_run(run_dir)
+
+
+def failed_at_start(lake, cfg: RunConfig, run_id: str, err: Exception) -> str:
+    """The error line of a new run that failed after its record, before its first iteration:
+    how to go on under its id. What failed is often its recorded config or data, which
+    ``rlake resume`` reuses (so it failed again: review, 2026-11-29): a run that wrote nothing
+    but its row is started again with ``rlake run`` (``wrote_nothing``); else the resume."""
+    try:
+        row = lake.get_run(run_id)
+    except Exception:  # noqa: BLE001 - unreadable now: the resume's wording, the error itself first
+        row = None
+    # how to go on first: the error can span lines (torch's state_dict errors do)
+    failed = f"run '{run_id}' is recorded as failed before its first iteration"
+    if wrote_nothing(lake, cfg, run_id, row):
+        return (f"{failed} (nothing of it was written but its runs row: once mended, "
+                f"`{start_again_command(run_id, cfg)}` starts it again under this id): {err}")
+    return (f"{failed} (if the cause is outside its recorded config and data, "
+            f"`{resume_command(run_id, cfg)}` continues it; else start a new run with another "
+            f"--run-id): {err}")
 
 
 @contextmanager

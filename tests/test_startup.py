@@ -347,7 +347,8 @@ def test_a_model_that_fails_to_load_after_the_run_is_recorded_says_how_to_go_on(
     (line,) = _error_lines(log)
     assert "size mismatch" in log.read_text()
     assert "run 'shapes' is recorded as failed" in line
-    assert f"`rlake resume shapes --home {home}` starts it): Error(s) in loading" in line
+    assert (f"`rlake run CONFIG --run-id shapes --home {home}` starts it again under this id): "
+            "Error(s) in loading") in line
     assert Lake(str(home / "lake")).get_run("shapes")["status"] == "failed"
     (model / "config.json").write_text(json.dumps(config))
     done = rlake(["resume", "shapes", "--home", str(home)], cli_env(None), tmp_path / "resume.log")

@@ -21,9 +21,8 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -62,6 +61,46 @@ from rollout.sglang.weight_sync import (
 log = logging.getLogger(__name__)
 _MAX_REISSUES = 50  # re-issues after server-side aborts (weight-update pauses), per request
 _CONNECTION_LOST = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+def config_for_run(cfg: Any, log_dir: str | Path | None = None,
+                   cuda_available: bool | None = None) -> SGLangConfig:
+    """The engine's settings from the run config (its ``rollout.sglang`` section, or that section
+    itself). A null ``device`` is the run's top-level ``device`` (auto: cuda when torch sees a
+    CUDA device; ``cuda_available`` answers instead of torch), so ``device: cuda`` alone
+    launches GPU servers; an explicit one is kept. A null ``max_total_tokens`` is 65536 on cpu
+    (SGLang's CPU path sizes nothing itself) and left to SGLang on cuda (from GPU memory).
+    ``log_dir``: the servers' logs where the section names none."""
+    settings = dict(section(cfg))
+    if settings.get("device") is None:
+        run_device = _run_device(cfg)
+        if run_device is None:  # the section alone: SGLangConfig's default
+            settings.pop("device", None)
+        else:
+            from infra.modeling import resolve_device
+
+            settings["device"] = resolve_device(run_device, cuda_available)
+    if settings.get("max_total_tokens") is None and settings.get("device", "cpu") == "cpu":
+        settings.pop("max_total_tokens", None)  # SGLangConfig's default
+    if settings.get("log_dir") is None and log_dir is not None:
+        settings["log_dir"] = str(log_dir)
+    return SGLangConfig.from_mapping(settings)
+
+
+def _run_device(cfg: Any) -> str | None:
+    """The top-level ``device`` of a whole run config (a dict or a RunConfig), else None."""
+    if isinstance(cfg, Mapping):
+        return cfg.get("device") if "rollout" in cfg else None
+    return getattr(cfg, "device", None)
+
+
+def server_spec(config: SGLangConfig, model_path: str, port: int, version: int,
+                log_path: str | None = None) -> ServerSpec:
+    """How server of ``config`` on ``port`` launches, from the weights at ``model_path``."""
+    return ServerSpec(model_path=model_path, port=port, python=config.python,
+                      weight_version=str(version), max_total_tokens=config.max_total_tokens,
+                      device=config.device, extra_args=list(config.extra_server_args),
+                      log_path=log_path)
 
 
 class SGLangEngine(ServerSupervision):
@@ -111,10 +150,7 @@ class SGLangEngine(ServerSupervision):
                     log_dir: str | Path | None = None) -> SGLangEngine:
         """Build from the run config (its ``rollout.sglang`` section, or that section itself);
         ``log_dir``: the servers' logs where the section names none."""
-        config = SGLangConfig.from_mapping(section(cfg))
-        if config.log_dir is None and log_dir is not None:
-            config = replace(config, log_dir=str(log_dir))
-        return cls(model_dir, config, weight_version)
+        return cls(model_dir, config_for_run(cfg, log_dir), weight_version)
 
     @property
     def log_dir(self) -> Path:
@@ -148,13 +184,8 @@ class SGLangEngine(ServerSupervision):
 
     def _server(self, index: int, port: int) -> SGLangServer:
         """Server ``index`` on ``port``, from the newest weights on disk (not started)."""
-        cfg = self.config
-        return SGLangServer(ServerSpec(
-            model_path=self._disk[0], port=port, python=cfg.python,
-            weight_version=str(self._version), max_total_tokens=cfg.max_total_tokens,
-            device=cfg.device, extra_args=list(cfg.extra_server_args),
-            log_path=str(self.log_dir / f"sglang-{index}.log"),
-        ))
+        return SGLangServer(server_spec(self.config, self._disk[0], port, self._version,
+                                        str(self.log_dir / f"sglang-{index}.log")))
 
     def _start_router(self, port: int | None = None, healthy_workers: int | None = None) -> None:
         """An sglang-router in front of the workers (on ``port``, else a free one; on another if

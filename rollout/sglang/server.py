@@ -54,7 +54,8 @@ class ServerSpec:
     host: str = "127.0.0.1"
     python: str | None = None
     weight_version: str = "0"
-    max_total_tokens: int = 65536
+    # None: no --max-total-tokens, SGLang sizes the KV cache from GPU memory (CUDA)
+    max_total_tokens: int | None = 65536
     device: str = "cpu"
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -66,9 +67,10 @@ class ServerSpec:
             sglang_python(self.python), "-m", "sglang.launch_server",
             "--model-path", self.model_path,
             "--host", self.host, "--port", str(self.port),
-            "--max-total-tokens", str(self.max_total_tokens),
             "--weight-version", self.weight_version,
         ]
+        if self.max_total_tokens is not None:
+            cmd += ["--max-total-tokens", str(self.max_total_tokens)]
         if self.device == "cpu":
             cmd += list(CPU_SERVER_ARGS)
         return cmd + list(self.extra_args)
