@@ -89,17 +89,18 @@ def check_data(cfg: RunConfig) -> None:
     files = []
     if d.prompt_data:
         files.append((d.prompt_data, (d.input_key, d.label_key, d.metadata_key, d.tool_key),
-                      r.rm_type))
+                      r.rm_type, r.custom_rm_path))
     elif d.task is None:
         raise StartupError("no prompt data: set data.prompt_data (a JSONL/Parquet file) or data.task")
     # an eval set's keys as it is built (rollout.evaluation): its tool_key was not checked here
-    files += [(ds.path, prompt_file_keys(ds, d), ds.rm_type or r.rm_type)
-              for ds in cfg.eval.datasets if ds.path]
-    for path, keys, rm_type in files:
+    # an eval set's own rm_type scores it, even in a run with a custom reward (Scorer.from_config)
+    files += [(ds.path, prompt_file_keys(ds, d), ds.rm_type or r.rm_type,
+               None if ds.rm_type else r.custom_rm_path) for ds in cfg.eval.datasets if ds.path]
+    for path, keys, rm_type, custom_rm_path in files:
         records = load_prompt_file(path, *keys)
         check_row_rewards(records, path, r.rm_url)
         try:  # a row without a label, scored by a reward that compares with it
-            check_labels(records, path, rm_type, r.custom_rm_path)
+            check_labels(records, path, rm_type, custom_rm_path)
         except ValueError as e:
             raise StartupError(str(e)) from None
 

@@ -271,8 +271,12 @@ class Scorer:
 
     @classmethod
     def from_config(cls, cfg: Any, rm_type: str | None = None) -> Scorer:
+        """The run's scorer; with ``rm_type`` (an eval set's own), that reward, even where the
+        run's is a ``custom_rm_path`` (which took it over: a math eval set of a run with a
+        custom reward was scored by the custom one, review 2026-11-29)."""
         r = cfg.rollout
-        return cls(rm_type=rm_type or r.rm_type, custom_rm_path=r.custom_rm_path, rm_url=r.rm_url,
+        return cls(rm_type=rm_type or r.rm_type, custom_rm_path=None if rm_type else r.custom_rm_path,
+                   rm_url=r.rm_url,
                    cfg=cfg, remote_timeout_s=r.rm_timeout_s, remote_retries=r.rm_retries,
                    timeout_s=r.reward_timeout_s, max_workers=r.reward_max_workers)
 

@@ -286,3 +286,17 @@ def test_a_stored_reward_too_large_to_train_on_reads_back_failed_and_trains_as_z
     assert sample.status == Status.FAILED and sample.reward == 0.0
     assert "too large" in sample.reward_detail["error"]
     assert train_reward(1e308) == 0.0 and train_reward(-MAX_ABS_REWARD) == -MAX_ABS_REWARD
+
+
+def test_an_eval_sets_own_rm_type_scores_it_in_a_run_with_a_custom_reward():
+    """``custom_rm_path`` is the run's reward; an eval set that names its own (``rm_type``) is
+    scored by that one (the custom one took it over)."""
+    from infra.config import load_config
+    from tests.opshelp import ROOT
+
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml",
+                      [f"rollout.custom_rm_path={HERE}:typed_reward"])
+    eval_scorer = Scorer.from_config(cfg, rm_type="exact")
+    assert eval_scorer(_sample("42", "42")) == 1.0 and eval_scorer(_sample("41", "42")) == 0.0
+    run_scorer = Scorer.from_config(cfg)  # the run's own: the custom function
+    assert run_scorer.reward_name(_sample("int")) == f"custom reward {HERE}:typed_reward"

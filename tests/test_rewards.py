@@ -455,8 +455,10 @@ def test_scorers_of_one_config_share_one_worker_pool():
 
     cfg = load_config(None, ["rollout.custom_rm_path=tests.test_rewards:spin_reward",
                              "rollout.reward_max_workers=2"])
-    train, *evals = [Scorer.from_config(cfg), Scorer.from_config(cfg, rm_type="exact"),
-                     Scorer.from_config(cfg, rm_type="math")]
+    # eval sets without an rm_type of their own are scored by the run's custom reward
+    train, *evals = [Scorer.from_config(cfg), Scorer.from_config(cfg), Scorer.from_config(cfg)]
+    own = Scorer.from_config(cfg, rm_type="exact")  # one that names its own: no custom workers
+    assert own.workers is None
     try:
         for scorer in (train, *evals):
             assert score_samples([_sample(str(i)) for i in range(4)], scorer) == 0
