@@ -220,17 +220,21 @@ def get_run_row(lake, cfg: RunConfig, run_id: str) -> dict | None:
 def resume_command(run_id: str, cfg: RunConfig) -> str:
     """The command that continues ``run_id`` (the options it needs, no more), shell-quoted: a
     home with a space gave a command that did not run as printed (review, 2026-11-29)."""
-    args = ["rlake", "resume", run_id]
+    return _with_place(["rlake", "resume", run_id], cfg)
+
+
+def _with_place(args: list[str], cfg: RunConfig) -> str:
+    """``args`` with the ``--home`` and ``--lake`` options ``cfg`` needs, shell-quoted."""
     if cfg.home != DEFAULT_HOME:
-        args += ["--home", str(cfg.home)]
+        args = [*args, "--home", str(cfg.home)]
     if cfg.lake_uri:
-        args += ["--lake", str(cfg.lake_uri)]
+        args = [*args, "--lake", str(cfg.lake_uri)]
     return shlex.join(args)
 
 
 def start_again_command(run_id: str, cfg: RunConfig) -> str:
     """``rlake run CONFIG --run-id RUN_ID`` with the home and lake options ``run_id`` needs."""
-    return resume_command(run_id, cfg).replace("rlake resume ", "rlake run CONFIG --run-id ", 1)
+    return _with_place(["rlake", "run", "CONFIG", "--run-id", run_id], cfg)
 
 
 def wrote_nothing(lake, cfg: RunConfig, run_id: str, row: dict | None) -> bool:

@@ -21,7 +21,6 @@ wait on the network together; a function added with ``register`` runs in threads
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -36,14 +35,20 @@ from rewards.text import exact_answer_reward, f1_score
 from rewards.workers import RewardWorkers
 from rollout.data import locate, short_repr
 from rollout.functions import call, load_configured, load_function
-from rollout.sample import MAX_ABS_REWARD, Sample, Status, detail_json, nonfinite_reason, too_large_reason
+from rollout.sample import (
+    Sample,
+    Status,
+    detail_json,
+    too_large_reason,
+    unusable_reward_reason,
+    usable_reward,
+)
 
 RewardFn = Callable[[str, "str | None", dict], "float | dict"]
 SampleScorer = Callable[[Sample], "float | dict"]
 
 __all__ = ["REGISTRY", "RewardFn", "Scorer", "get_reward_fn", "load_function", "register",
-           "resolve_rm_type", "score_samples"]
-
+           "check_set_rewards", "resolve_rm_type", "score_samples"]
 
 
 # The built-in rewards that compare the response with the label: with no label, ``label or ""``
@@ -126,13 +131,14 @@ def label_reward(rm_type: str | None) -> str | None:
     return name if name in LABELLED and bounded(name) else None
 
 
-def row_reward(record: dict, rm_type: str, custom_rm_path: str | None) -> str | None:
-    """The reward that scores a prompt record, as ``Scorer.__call__`` picks it: the record's
-    ``metadata["rm_type"]``, else the custom function (None here: not a name), else ``rm_type``."""
-    override = (record.get("metadata") or {}).get("rm_type")
+def picked_reward(metadata: dict | None, rm_type: str, custom: bool) -> str | None:
+    """The reward that scores a sample or prompt record (``Scorer`` picks with this): its
+    ``metadata["rm_type"]``, else the custom function when there is one (None: not a name),
+    else ``rm_type``."""
+    override = (metadata or {}).get("rm_type")
     if override:
         return str(override)
-    return None if custom_rm_path else rm_type
+    return None if custom else rm_type
 
 
 def check_labels(records: list[dict], source: str, rm_type: str,
@@ -141,7 +147,7 @@ def check_labels(records: list[dict], source: str, rm_type: str,
     label (``label_reward``) but which has none: found at load, not as a failed sample at every
     iteration (``check_label`` is the backstop for data that did not come through here)."""
     for i, rec in enumerate(records):
-        name = label_reward(row_reward(rec, rm_type, custom_rm_path))
+        name = label_reward(picked_reward(rec.get("metadata"), rm_type, bool(custom_rm_path)))
         problem = missing_label(rec.get("label")) if name else None
         if problem is not None:
             raise ValueError(f"{locate(source, rec.get('row', i))}: {problem}, but its reward "
@@ -286,22 +292,20 @@ class Scorer:
                                                    self.remote_retries)
         return self._cache[rm_type]
 
+    def _pick(self, sample: Sample) -> str | None:
+        """The reward name that scores ``sample`` (``picked_reward``); None: the custom one."""
+        return picked_reward(sample.metadata, self.rm_type, self._custom is not None)
+
     def reward_name(self, sample: Sample) -> str:
-        """The reward that scores ``sample``, for error messages (as ``__call__`` picks it)."""
-        override = sample.metadata.get("rm_type")
-        if override:
-            return _describe(str(override), self.rm_url)
-        if self._custom is not None:
-            return f"custom reward {self.custom_rm_path}"
-        return _describe(self.rm_type, self.rm_url)
+        """The reward that scores ``sample``, for error messages."""
+        name = self._pick(sample)
+        return f"custom reward {self.custom_rm_path}" if name is None else _describe(name, self.rm_url)
 
     def __call__(self, sample: Sample) -> float | dict:
-        override = sample.metadata.get("rm_type")
-        if override:
-            return self._resolve(str(override))(sample)
-        if self._custom is not None:
+        name = self._pick(sample)
+        if name is None:
             return call(self._custom, self.cfg, sample)
-        return self._resolve(self.rm_type)(sample)
+        return self._resolve(name)(sample)
 
 
 def _describe(rm_type: str, rm_url: str | None) -> str:
@@ -320,15 +324,12 @@ def _number(value: object, who: str, in_dict: bool = False) -> float:
         shown = "None" if value is None else f"{type(value).__name__} {short_repr(value)}"
         got = f"{{'score': {shown}}}" if in_dict else shown
         raise ValueError(f"{who} returned {got}: {_SHAPE}")
-    score: float | None
     try:
         score = float(value)
-    except OverflowError:  # an int beyond float64 (10**400): too large, as below
-        score = None
-    if score is not None and not math.isfinite(score):
-        raise ValueError(nonfinite_reason(score))
-    if score is None or abs(score) > MAX_ABS_REWARD:
-        raise ValueError(too_large_reason(f"{score:g}" if score is not None else short_repr(value)))
+    except OverflowError:  # an int beyond float64 (10**400): too large, as the bound says
+        raise ValueError(too_large_reason(short_repr(value))) from None
+    if not usable_reward(score):
+        raise ValueError(unusable_reward_reason(score))
     return score
 
 
@@ -374,6 +375,24 @@ def score_samples(samples: list[Sample], scorer: SampleScorer | RewardFn, timeou
         except Exception as err:  # noqa: BLE001 - any user error marks the sample failed
             failures += 1
             _fail(sample, str(err) if isinstance(err, RuntimeError) else f"{type(err).__name__}: {err}")
+    return failures
+
+
+def check_set_rewards(samples: list[Sample]) -> int:
+    """The rewards already set on ``samples`` (a rollout function may set its own) checked as a
+    scored one is (``_as_score``): a bad one marks its sample failed with the reason, reward 0;
+    a reward dict becomes the score and its detail. Returns how many failed."""
+    failures = 0
+    for sample in samples:
+        try:
+            score, detail = _as_score(sample.reward)
+        except Exception as err:  # noqa: BLE001 - any bad value fails the sample, as in scoring
+            failures += 1
+            _fail(sample, f"{type(err).__name__}: {err}")
+            continue
+        if isinstance(sample.reward, dict):  # a reward dict, as a reward function may return
+            sample.reward_detail = detail
+        sample.reward = score
     return failures
 
 

@@ -14,9 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# _as_score/_fail: the checks and the failure marking a reward function's value gets, applied as
-# they are to a reward a rollout function set itself (one rule for both)
-from rewards.registry import _as_score, _fail, score_samples
+from rewards.registry import check_set_rewards, score_samples
 from rollout.data import PromptDataset
 from rollout.engine import RolloutEngine, SamplingParams
 from rollout.functions import call_named
@@ -244,18 +242,7 @@ def score_unscored(samples: list[Sample], scorer: Callable) -> int:
     function may set its own) gets the check a scored one gets: a non-finite (or non-numeric)
     one marks its sample failed with the reason, reward 0. Unchecked, NaN and inf rewards were
     written as completed and failed the run (review, 2026-11-29). Returns how many failed."""
-    failed = 0
-    for s in samples:
-        if s.reward is not None:
-            try:
-                score, detail = _as_score(s.reward)
-            except Exception as err:  # noqa: BLE001 - any bad value fails the sample, as in scoring
-                _fail(s, f"{type(err).__name__}: {err}")
-                failed += 1
-                continue
-            if isinstance(s.reward, dict):  # a reward dict, as a reward function may return
-                s.reward_detail = detail
-            s.reward = score
+    failed = check_set_rewards([s for s in samples if s.reward is not None])
     todo = [s for s in samples if s.reward is None]
     return failed + (score_samples(todo, scorer) if todo else 0)
 

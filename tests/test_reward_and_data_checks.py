@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rewards.registry import MAX_ABS_REWARD, Scorer, check_labels, score_samples
+from rewards.registry import Scorer, check_labels, score_samples
 from rollout.data import load_prompt_file
-from rollout.sample import Sample, Status
+from rollout.sample import MAX_ABS_REWARD, Sample, Status
 from trainers.metrics import rollout_metrics
 
 # custom rewards below run in worker processes, which import this module: its top imports are
