@@ -61,10 +61,14 @@ def check_recorded_config(cfg: RunConfig, run_id: str, row: dict | None) -> None
     """Refuse a deployment whose run the lake holds (``row``) with another config: it would be
     continued with the config it was started with (a resume reads it from the lake), and the
     deployment's own would be ignored without a word (e.g. ``--run-id`` naming a run started
-    by ``rlake run``)."""
+    by ``rlake run``). A run whose length a resume changed (``--num-rollout``) goes to its
+    recorded length."""
     if row is None:
         return
-    differences = config_differences(config_from_dict(json.loads(row["config"])), cfg)
+    # a length changed by `rlake resume --num-rollout` (infra.extend) is the run's from then on
+    changed_length = "num_rollout_changes" in json.loads(row.get("notes") or "{}")
+    differences = config_differences(config_from_dict(json.loads(row["config"])), cfg,
+                                     ignore=("home", "run_id", *(("num_rollout",) if changed_length else ())))
     if differences:
         shown = "; ".join(differences[:5]) + (f"; and {len(differences) - 5} more"
                                               if len(differences) > 5 else "")

@@ -153,6 +153,8 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
         try:
             rt.tracker.start(rt.run_id, params=_flat_params(rt.cfg),
                              tags={"rlake.run_id": rt.run_id}, mlflow_run_id=rt.mlflow_run_id)
+            if resume:  # MLflow's params keep their first value: a changed length (infra.extend)
+                rt.tracker.set_tags({"rlake.num_rollout": rt.cfg.num_rollout})
             _update_run(rt, "running")
             start_or_recover(rt, resume)
             # every subflow run carries the tag; async mode's rollout process starts now, so

@@ -71,21 +71,29 @@ def run(config: Annotated[Path | None, typer.Argument(help="YAML config")] = Non
 
 @app.command()
 def resume(run_id: str, home: HomeOpt = "./rlake-home",
-           lake_uri: Annotated[str | None, typer.Option("--lake", help="lake URI (default: HOME/lake)")] = None) -> None:
-    """Continue RUN_ID from its last completed iteration (read from the lake)."""
+           lake_uri: Annotated[str | None, typer.Option("--lake", help="lake URI (default: HOME/lake)")] = None,
+           num_rollout: Annotated[int | None, typer.Option(
+               "--num-rollout", help="train to N iterations from now on (recorded with the run; "
+                                     "at least its committed ones)")] = None) -> None:
+    """Continue RUN_ID from its last completed iteration (read from the lake); --num-rollout N
+    trains a finished run further (or stops an unfinished one earlier)."""
     overrides = [f"home={home}"] + ([f"lake_uri={lake_uri}"] if lake_uri else [])
     cfg = load_config(None, overrides)
     from infra.startup import load_row, open_lake
 
     row = load_row(open_lake(cfg), cfg, run_id)
     if row.get("replay_of"):
+        if num_rollout is not None:
+            from infra.extend import set_num_rollout
+
+            set_num_rollout(None, run_id, row, num_rollout)  # refused: a replay's length is its source's
         from infra.ops_cli import resume_replay
 
         return resume_replay(row, cfg.home, debug=STATE["debug"])
     from infra.progress import run_with_progress
 
     summary = run_with_progress(cfg, run_id, resume=True, console=console, debug=STATE["debug"],
-                                started=_resumable(cfg))
+                                started=_resumable(cfg), num_rollout=num_rollout)
     _print_summary(summary)
 
 

@@ -104,19 +104,21 @@ def live_display(console: Console, run_id: str, debug: bool) -> Iterator[None]:
 
 
 def run_with_progress(cfg: RunConfig, run_id: str | None, resume: bool, console: Console,
-                      debug: bool = False, started: Callable[[str], None] | None = None) -> dict:
+                      debug: bool = False, started: Callable[[str], None] | None = None,
+                      num_rollout: int | None = None) -> dict:
     """Check, record and open the run (``infra.startup.prepared_run``: Prefect's server starts
     meanwhile), then run its flow with a live display; ``started(run_id)`` once the run holds
     its id (a new run's may be made up here), before anything of it is recorded: a Ctrl-C
     during start-up named ``rlake resume RUN_ID`` though the run was recorded under a made-up
-    id the user never saw (review, 2026-11-29)."""
+    id the user never saw (review, 2026-11-29). ``num_rollout``: a resume's new run length
+    (``infra.extend``)."""
     from infra.startup import new_run_id, prepared_run
 
     if not resume and run_id is None:
         run_id = cfg.run_id or new_run_id()
     if started is not None:
         started(run_id)
-    with prepared_run(cfg, run_id, resume) as run_id:
+    with prepared_run(cfg, run_id, resume, num_rollout) as run_id:
         from flows.rl import rl_run
 
         with live_display(console, run_id, debug):

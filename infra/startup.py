@@ -373,10 +373,13 @@ def new_run_id() -> str:
 
 
 @contextmanager
-def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool) -> Iterator[str]:
+def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool,
+                 num_rollout: int | None = None) -> Iterator[str]:
     """Everything before the first flow, in the order of the module docstring; yields the run
     id with its runtime open (``infra.runtime.RUNTIMES``) and Prefect's server answering. On the
-    way out the server is stopped and a runtime the pipeline never took is closed."""
+    way out the server is stopped and a runtime the pipeline never took is closed.
+    ``num_rollout`` (a resume's ``--num-rollout``) is recorded as the run's once this process
+    owns it (``infra.extend.set_num_rollout``)."""
     from infra.env import set_environment
     from infra.recovery import claim_run, release_run
 
@@ -399,6 +402,13 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool) -> Iterator[s
     run_dir = home / "runs" / run_id
     claim_run(run_dir)  # a live owner from the start: `rlake status` does not call it interrupted
     try:
+        if resume and num_rollout is not None:  # after the claim: never under a live owner
+            from infra.extend import LengthError, set_num_rollout
+
+            try:
+                set_num_rollout(lake, run_id, row, num_rollout)
+            except LengthError as err:
+                raise StartupError(str(err)) from None
         if not resume:
             # a run started again after a start-up failure (``wrote_nothing``): its base model
             # is rebuilt, a complete folder there would be used as it is (another model.tiny)

@@ -295,3 +295,53 @@ def test_save_interval_and_resume_between_saves_rebuild_from_the_lake(shared):
     assert "re-trained from the lake" in _tag(homes["ref"], "rep", "rlake.replay_start")
     replayed = load_file(homes["ref"] / "runs/rep/checkpoints/v000001/model.safetensors")
     assert all(torch.equal(replayed[k], reference[0][k]) for k in reference[0])
+
+
+def _reference_home(root: Path, url: str) -> Path:
+    """The uninterrupted ``N_ITER``-iteration run's home (the test above runs it; run here when
+    that test was not)."""
+    home = root / "ref"
+    if not (home / "runs/ref/checkpoints" / f"v{N_ITER:06d}").exists():
+        home.mkdir(exist_ok=True)
+        proc = rlake(_args(home, "ref"), cli_env(url), home / "first.log")
+        assert proc.returncode == 0, tail(home / "first.log")
+    return home
+
+
+def test_a_finished_run_resumed_with_a_larger_num_rollout_trains_on_as_one_run(shared):
+    """``rlake resume RUN --num-rollout N`` (slime's ``--num-rollout`` on a relaunch): a finished
+    3-iteration run extended to 5 ends bitwise equal to the 5-iteration run, each iteration
+    generated once; the new length is recorded with the run (its config, its notes, an MLflow
+    tag: params keep their first value); below the committed iterations it is refused and
+    nothing changes."""
+    from buffer import Lake
+
+    root, url = shared
+    reference = _final_state(_reference_home(root, url), "ref")
+    home = root / "short"
+    home.mkdir()
+    args = [a.replace(f"num_rollout={N_ITER}", "num_rollout=3") for a in _args(home, "short")]
+    assert args != _args(home, "short")
+    proc = rlake(args, cli_env(url), home / "first.log")
+    assert proc.returncode == 0, tail(home / "first.log")
+
+    def recorded() -> tuple[int, str, dict]:
+        row = Lake(str(home / "lake")).get_run("short")
+        return json.loads(row["config"])["num_rollout"], row["status"], json.loads(row["notes"])
+
+    proc = rlake(["resume", "short", "--home", str(home), "--num-rollout", "2"], cli_env(url),
+                 home / "refused.log")
+    said = " ".join((home / "refused.log").read_text().split())
+    assert proc.returncode == 1 and ("error: --num-rollout 2: run 'short' has committed 3 "
+                                     "iterations (0..2); give 3 or more (it has num_rollout=3)") in said, said
+    assert recorded()[:2] == (3, "completed") and "num_rollout_changes" not in recorded()[2]
+
+    proc = rlake(["resume", "short", "--home", str(home), "--num-rollout", str(N_ITER)],
+                 cli_env(url), home / "extend.log")
+    assert proc.returncode == 0, tail(home / "extend.log")
+    num_rollout, status, notes = recorded()
+    assert (num_rollout, status) == (N_ITER, "completed")
+    assert [(c["from"], c["to"]) for c in notes["num_rollout_changes"]] == [(3, N_ITER)]
+    assert _tag(home, "short", "rlake.num_rollout") == str(N_ITER)
+    assert _iteration_flow_runs(url, "short") == list(range(N_ITER))
+    _assert_bitwise_equal(_final_state(home, "short"), reference)
