@@ -72,16 +72,24 @@ class RolloutContext:
     lake: Any = None
     run_id: str | None = None
     generate_fn: Callable | None = None
+    groups_taken: int = 0  # by ``take_groups``, for its numbering
+    samples_taken: int = 0
     chunk_tokens: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def take_groups(self, n: int) -> list[list[Sample]]:
-        """The next ``n`` prompts as groups of ``n_samples_per_prompt`` pending samples."""
+        """The next ``n`` prompts as groups of ``n_samples_per_prompt`` pending samples, numbered
+        on from the context's previous draws (group_index and index): a rollout function that
+        draws twice returns samples whose indexes, which key their rows, differ (each draw
+        numbered from 0, and the second draw's rows were refused as duplicates)."""
         r = self.cfg.rollout
         prompts = self.dataset.take(self.data_position, n)
         self.data_position += n
         samples = make_samples(prompts, self.tokenizer, r.n_samples_per_prompt, self.dataset.source,
+                               first_group=self.groups_taken, first_index=self.samples_taken,
                                apply_chat_template=self.cfg.data.apply_chat_template)
+        self.groups_taken += len(prompts)
+        self.samples_taken += len(samples)
         return group_samples(samples)
 
     def generate(self, samples: list[Sample]) -> list[Sample]:

@@ -27,8 +27,10 @@ def decode_response(tokenizer, token_ids: list[int]) -> str:
 
 
 def make_samples(prompts: list[tuple[int, dict]], tokenizer, n_samples_per_prompt: int,
-                 data_source: str, first_group: int = 0, apply_chat_template: bool = False) -> list[Sample]:
-    """Pending samples, ``n`` consecutive per prompt (a group), indexed in order."""
+                 data_source: str, first_group: int = 0, apply_chat_template: bool = False,
+                 first_index: int = 0) -> list[Sample]:
+    """Pending samples, ``n`` consecutive per prompt (a group), indexed in order from
+    ``first_index`` (groups from ``first_group``)."""
     samples = []
     for g, (row, record) in enumerate(prompts):
         text = render_prompt(tokenizer, record["prompt"], apply_chat_template, record.get("tools"))
@@ -37,7 +39,7 @@ def make_samples(prompts: list[tuple[int, dict]], tokenizer, n_samples_per_promp
         if record.get("tools") is not None:
             metadata.setdefault("tools", record["tools"])
         for _ in range(n_samples_per_prompt):
-            samples.append(Sample(group_index=first_group + g, index=len(samples),
+            samples.append(Sample(group_index=first_group + g, index=first_index + len(samples),
                                   prompt=record["prompt"], prompt_token_ids=ids,
                                   label=record.get("label"), metadata=dict(metadata),
                                   data_source=data_source, row=row))
