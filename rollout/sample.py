@@ -136,10 +136,22 @@ class Sample:
 
 
 def detail_json(detail: dict[str, Any]) -> str:
-    """The ``reward_detail`` column's text: values JSON cannot hold (a NumPy array, a set) as
-    their ``str``; a key that is not a string or number, or a cycle, raises (TypeError,
-    ValueError), which scoring checks first (``rewards.registry``) to fail only that sample."""
-    return json.dumps(detail, default=str)
+    """The ``reward_detail`` column's text: NumPy (or torch) numbers and arrays as JSON numbers
+    and lists (their ``tolist()``: a ``np.float32`` score was stored as the text "0.5"), other
+    values JSON cannot hold (a set) as their ``str``; a key that is not a string or number, or a
+    cycle, raises (TypeError, ValueError), which scoring checks first (``rewards.registry``) to
+    fail only that sample."""
+    return json.dumps(detail, default=_plain)
+
+
+def _plain(value: Any) -> Any:
+    to_list = getattr(value, "tolist", None)
+    if callable(to_list):
+        try:
+            return to_list()
+        except Exception:  # noqa: BLE001 - anything else with a tolist: its text, as before
+            pass
+    return str(value)
 
 
 # The largest reward magnitude accepted. Rewards train as float32 (trainers/torch_trainer.py) and

@@ -512,3 +512,20 @@ def test_countdown_takes_only_decimal_numbers():
     for hack in ("1*8*0o11", "0x1*8*9", "0b1*8*9", "1*8*9.0", "1*8*9e0"):
         assert countdown_reward(hack, None, meta) == 0.0, hack
     assert countdown_reward("1_0*5/2", None, {"numbers": [10, 5, 2], "target": 25}) == 0.0
+
+
+def test_numpy_values_in_reward_detail_are_stored_as_numbers():
+    """A ``{'score': np.float32(0.5), 'parts': np.array([...])}`` reward's detail went into the
+    lake as the texts "0.5" and "[1 2]" (json's ``default=str``)."""
+    import numpy as np
+
+    from rollout.sample import detail_json
+
+    detail = {"score": np.float32(0.5), "n": np.int64(3), "parts": np.array([1, 2]),
+              "flag": np.bool_(True), "seen": {"a"}}
+    assert json.loads(detail_json(detail)) == {"score": 0.5, "n": 3, "parts": [1, 2],
+                                               "flag": True, "seen": "{'a'}"}
+    sample = Sample(group_index=0, index=0, prompt="p", prompt_token_ids=[1], reward=0.5,
+                    reward_detail=detail)
+    row = sample.to_row("run", 0, "torch", "train")
+    assert Sample.from_row(row).reward_detail["parts"] == [1, 2]
