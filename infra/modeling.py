@@ -195,9 +195,31 @@ def load_transformers_model(path: str | Path, device: str = "cpu", dtype: str = 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = without_dropout(AutoConfig.from_pretrained(str(path)))
+    check_causal_lm(config, path)
     model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=DTYPES[dtype],
                                                  attn_implementation=attention_for(device))
     return model.to(device)
+
+
+SUPPORTED_MODELS = ("decoder-only causal LMs that transformers' AutoModelForCausalLM loads "
+                    "(Qwen2, Llama, Mistral, Gemma, GPT-2, ...)")
+
+
+def check_causal_lm(config, path: str | Path) -> None:
+    """Refuse a model that is not a decoder-only causal LM, in one line naming model.path.
+
+    rlake samples left to right and trains log pi(y_t | x, y_<t): an encoder-decoder (T5) has
+    no such single stack (transformers refused it with a 200-class list), and a BERT-style model
+    with ``is_decoder: false`` attends both ways, so AutoModelForCausalLM loaded it and it was
+    trained as if it were causal. Configs without an ``is_decoder`` attribute are decoders."""
+    kind = getattr(config, "model_type", "?")
+    if getattr(config, "is_encoder_decoder", False):
+        why = f"an encoder-decoder model ({kind})"
+    elif getattr(config, "is_decoder", True) is False:
+        why = f"not a causal decoder ({kind} with is_decoder: false attends both ways)"
+    else:
+        return
+    raise ConfigError(f"model.path '{path}': {why}; supported: {SUPPORTED_MODELS}")
 
 
 def without_dropout(config):

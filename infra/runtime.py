@@ -196,10 +196,12 @@ def _make_engine(cfg: RunConfig, model_dir: Path, tokenizer, version: int,
     """The run's rollout engine (over Ray's actors with a cluster); an SGLang engine's server
     logs go to ``run_dir``/logs unless ``rollout.sglang.log_dir`` says where."""
     if cfg.rollout.engine == "torch":
-        from rollout.torch_engine import TorchEngine
+        from rollout.torch_engine import TorchEngine, eos_token_ids
 
         device, dtype = placement(cfg.device, cfg.dtype)
-        build = partial(TorchEngine, str(model_dir), tokenizer.eos_token_id, tokenizer.pad_token_id,
+        # every eos of generation_config.json too (a chat model's end of turn), as SGLang does
+        eos = eos_token_ids(model_dir, tokenizer.eos_token_id)
+        build = partial(TorchEngine, str(model_dir), eos, tokenizer.pad_token_id,
                         weight_version=version, seed=cfg.seed, device=device, dtype=dtype,
                         cuda_graph=cfg.rollout.cuda_graph)
     else:

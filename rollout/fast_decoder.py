@@ -46,11 +46,50 @@ class _Layer:
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
 
+def unsupported(config) -> str | None:
+    """Why the fast decoder would not compute HF's forward for ``config`` (None: it would).
+
+    It runs exactly: full causal attention in every layer, default RoPE over the whole head,
+    q/k/v biases only, bias-free SiLU-gated MLP, unquantised weights. Anything else the model
+    would do differently (a sliding window, an o_proj or MLP bias, scaled RoPE) gives other
+    log-probs than the trainer's, so such a model takes the generic HF path instead."""
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {config.model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+    rope = _rope_params(config)
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        return f"RoPE type {rope.get('rope_type', rope.get('type'))!r} (only default RoPE)"
+    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0):
+        return f"partial_rotary_factor {partial} (RoPE over the whole head only)"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} (only silu)"
+    for key in ("attention_bias", "mlp_bias"):  # o_proj (and q/k/v) / gate-up-down biases
+        if getattr(config, key, False):
+            return f"{key}: true (biases on q/k/v only)"
+    return _attention_problem(config) or (
+        "quantized weights" if getattr(config, "quantization_config", None) else None)
+
+
+def _attention_problem(config) -> str | None:
+    """A layer that does not attend over the whole causal prefix (sliding window)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        other = sorted({t for t in layer_types if t != "full_attention"})
+        return f"layer_types {other} (full_attention only)" if other else None
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", False) and window is not None:
+        return f"use_sliding_window with sliding_window {window} (full attention only)"
+    return None
+
+
 def supports(config) -> bool:
-    rope_scaling = getattr(config, "rope_scaling", None)
-    plain_rope = rope_scaling is None or rope_scaling.get("rope_type", "default") == "default"
-    return (config.model_type in SUPPORTED_MODEL_TYPES and plain_rope
-            and getattr(config, "hidden_act", "silu") == "silu")
+    """Whether the fast decoder computes ``config``'s forward as HF does (``unsupported``)."""
+    return unsupported(config) is None
+
+
+def _rope_params(config) -> dict:
+    """RoPE settings: transformers 5's ``rope_parameters``, else the older ``rope_scaling``."""
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
 
 
 def _rope_base(config) -> float:
@@ -63,8 +102,9 @@ class FastDecoder:
 
     def __init__(self, model: torch.nn.Module):
         cfg = model.config
-        if not supports(cfg):
-            raise ValueError(f"FastDecoder supports {SUPPORTED_MODEL_TYPES} with default RoPE")
+        problem = unsupported(cfg)
+        if problem is not None:
+            raise ValueError(f"FastDecoder does not support this model: {problem}")
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads

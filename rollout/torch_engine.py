@@ -7,7 +7,10 @@ the sampling distribution (log softmax of logits / temperature), and the finish 
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from itertools import pairwise
+from pathlib import Path
 
 import torch
 
@@ -48,6 +51,28 @@ def sample_next_token(logits: torch.Tensor, temperature: float, top_p: float, to
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
+def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """``eos_token_id`` of the folder's generation_config.json (an int or a list), () without
+    one. Chat models end a turn on an id that is not the tokenizer's eos (Qwen2.5-Instruct:
+    <|im_end|> and <|endoftext|>; Llama-3-Instruct: <|eot_id|> and <|end_of_text|>), as
+    transformers' ``generate`` and SGLang read it."""
+    file = Path(model_dir) / "generation_config.json"
+    if not file.is_file():
+        return ()
+    value = json.loads(file.read_text()).get("eos_token_id")
+    ids = [] if value is None else [value] if isinstance(value, int) else value
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise ValueError(f"{file}: eos_token_id must be an int or a list of ints, got {value!r}")
+    return tuple(ids)
+
+
+def eos_token_ids(model_dir: str | Path, tokenizer_eos: int | None) -> tuple[int, ...]:
+    """Every id that ends a response: the tokenizer's eos, then generation_config.json's (in
+    order, without repeats)."""
+    ids = ([] if tokenizer_eos is None else [tokenizer_eos]) + list(generation_eos_ids(model_dir))
+    return tuple(dict.fromkeys(ids))
+
+
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists into (input_ids [B,P], attention_mask [B,P])."""
     width = max(len(p) for p in prompts)
@@ -78,11 +103,13 @@ class TorchEngine:
     cpu|cuda, fp32|bf16). ``update_weights`` reloads an HF checkpoint; ``load_state_dict``
     copies a trainer's tensors into the engine's own (device to device, casting if needed).
     With ``cuda_graph`` (``rollout.cuda_graph``, on by default in a run's config) the decode
-    step on CUDA is replayed as a CUDA graph (rollout/cuda_graph.py)."""
+    step on CUDA is replayed as a CUDA graph (rollout/cuda_graph.py). ``eos_token_id`` is one id
+    or several (``eos_token_ids``: the tokenizer's and generation_config.json's); a response
+    ends at the first of any of them (included, finish reason ``stop``)."""
 
     name = "torch"
 
-    def __init__(self, model_dir: str, eos_token_id: int, pad_token_id: int,
+    def __init__(self, model_dir: str, eos_token_id: int | Sequence[int], pad_token_id: int,
                  weight_version: int = 0, seed: int = 0, max_batch_size: int = 512,
                  device: str = "cpu", dtype: str = "fp32", cuda_graph: bool = False):
         self.device, self.dtype = device, dtype
@@ -98,6 +125,16 @@ class TorchEngine:
         self._weight_version = weight_version
         self.max_batch_size = max_batch_size
         self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    @property
+    def eos_token_id(self) -> int:
+        """The first stop id (the tokenizer's eos when built by ``eos_token_ids``); -1: none."""
+        return self.eos_token_ids[0] if self.eos_token_ids else -1
+
+    @eos_token_id.setter
+    def eos_token_id(self, value: int | Sequence[int]) -> None:
+        """One id or several; setting one id (-1: never stop) replaces them all."""
+        self.eos_token_ids = (int(value),) if isinstance(value, int) else tuple(value)
 
     @property
     def weight_version(self) -> int:
@@ -155,7 +192,7 @@ class TorchEngine:
             rows_of = torch.tensor(groups, device=dev)
             step.expand(rows_of)
             logits, positions, key_valid = logits[rows_of], positions[rows_of], key_valid[rows_of]
-        stop_ids = torch.tensor(sorted({self.eos_token_id, *sp.stop_token_ids}), dtype=torch.long,
+        stop_ids = torch.tensor(sorted({*self.eos_token_ids, *sp.stop_token_ids}), dtype=torch.long,
                                 device=dev)
         out_tokens = torch.full((batch, sp.max_new_tokens), self.pad_token_id, dtype=torch.long,
                                 device=dev)

@@ -107,9 +107,33 @@ def chunked_logprobs(h: Tensor, w: Tensor, targets: Tensor, temperature: float =
     return logp.view(lead), entropy.view(lead)
 
 
+# Architectures whose logits are exactly lm_head(base_model(...).last_hidden_state), read in
+# their transformers modeling code: an allow-list, since a new architecture may transform the
+# logits (Gemma2/3 soft-capping, Granite's logits_scaling, Cohere's logit_scale) and the
+# shortcut would then train another policy than the one the engine samples from.
+PLAIN_HEAD_MODEL_TYPES = frozenset({
+    "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "llama", "mistral", "mixtral", "gemma", "olmo2",
+    "phi3", "gpt2", "gpt_neox"})
+# Config keys of an output-logit transform: any of them set means no shortcut, even on an
+# allow-listed architecture (a fork that reuses its model_type).
+LOGIT_TRANSFORM_KEYS = ("final_logit_softcapping", "logits_scaling", "logit_scale",
+                        "lm_head_multiplier", "output_multiplier_scale", "logits_soft_cap")
+
+
+def plain_head_config(config) -> bool:
+    """Whether a model of ``config`` computes its logits as head(final hidden state), untransformed."""
+    if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+        return False
+    return all(getattr(config, key, None) in (None, 1, 1.0) for key in LOGIT_TRANSFORM_KEYS)
+
+
 def linear_head(model: torch.nn.Module) -> torch.nn.Linear | None:
-    """The causal LM's output projection when it is a plain bias-free Linear (Qwen2, Llama),
-    else None (callers fall back to the model's full logits)."""
+    """The causal LM's output projection when it is a plain bias-free Linear whose output is the
+    model's logits as they are (Qwen2, Llama: ``plain_head_config``), else None (callers fall
+    back to the model's full logits, which apply any soft-capping or scaling)."""
+    config = getattr(model, "config", None)
+    if config is None or not plain_head_config(config):
+        return None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, torch.nn.Linear) and head.bias is None and hasattr(model, "base_model") \
             and model.base_model is not model:
