@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import duckdb
 import pyarrow as pa
+import pyarrow.fs as pafs
 
 from buffer.schema import TABLES
 
@@ -181,6 +182,21 @@ def _stop_query(con: duckdb.DuckDBPyConnection, finished: threading.Event) -> No
             pass
 
 
+def vacuumed(snapshots: dict[str, tuple[object, object]]) -> str | None:
+    """The message for the first ``{table: (as_of, dataset)}`` snapshot that names a file that
+    is gone (vacuum removed it), or None. Asked only once a query has failed: the check costs a
+    look-up per file (a request each on an object store), and a query its filters keep off the
+    missing files still runs, as ``Lake.read`` does."""
+    for table, (as_of, ds) in snapshots.items():
+        files = list(getattr(ds, "files", None) or [])
+        gone = [info.path for info in ds.filesystem.get_file_info(files)
+                if info.type == pafs.FileType.NotFound] if files else []
+        if gone:
+            return (f"{table} as of {as_of!r}: its files were removed by vacuum ({len(gone)} of "
+                    f"{len(files)} gone, e.g. {gone[0]})")
+    return None
+
+
 def sql(lake: Lake, query: str, as_of: AsOf = None, memory_limit: str = DEFAULT_MEMORY_LIMIT,
         timeout_s: float = DEFAULT_TIMEOUT_S) -> pa.Table:
     """Run a read-only ``query`` over the lake's tables; the result as an Arrow table.
@@ -199,10 +215,14 @@ def sql(lake: Lake, query: str, as_of: AsOf = None, memory_limit: str = DEFAULT_
         timed_out.set()
         con.interrupt()
     timer = threading.Timer(timeout_s, stop)
+    past: dict[str, tuple[object, object]] = {}  # tables read as of a version: vacuum may have struck
     try:
         statement = check_statements(con, query)
         for table in referenced_tables(query):
-            con.register(table, lake.dataset(table, as_of=_as_of_for(as_of, table)))
+            when = _as_of_for(as_of, table)
+            con.register(table, ds := lake.dataset(table, as_of=when))
+            if when is not None:
+                past[table] = (when, ds)
         timer.start()
         try:
             return interruptible(con, statement)
@@ -217,7 +237,8 @@ def sql(lake: Lake, query: str, as_of: AsOf = None, memory_limit: str = DEFAULT_
             raise ValueError(f"query stopped: it ran past the timeout of {timeout_s:g}s "
                              "(--timeout)") from None
         except duckdb.Error as e:
-            raise ValueError(f"SQL error: {first_line(e)}") from None
+            # a raw "IOError: Failed to open local file ..." where Lake.read says what happened
+            raise ValueError(vacuumed(past) or f"SQL error: {first_line(e)}") from None
     finally:
         timer.cancel()
         con.close()

@@ -112,7 +112,7 @@ def register(app: typer.Typer, debug: Callable[[], bool] = lambda: False) -> Non
         # the figures go beside the HTML (OUT-reward.png ...): checking OUT covers them too; a
         # folder got five PNGs beside it before failing (review, 2026-11-29)
         check_out(out, lake or str(Path(home) / "lake"))
-        for path in write_report(_lake(home, lake), run_id, out):
+        for path in write_report(_lake(home, lake), run_id, out, home):  # home: the run's status
             console.print(f"wrote {path}")
 
     @app.command()

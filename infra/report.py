@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import json
 import statistics
+import urllib.parse
 from collections import defaultdict
 from pathlib import Path
 
@@ -183,8 +184,18 @@ def _table(data: dict) -> str:
             + "</table>")
 
 
-def write_report(lake: Lake, run_id: str, out: Path) -> list[Path]:
-    """Write ``out`` (HTML) and its PNG figures; returns every file written."""
+def image_src(path: Path) -> str:
+    """``path``'s file name as an ``<img src>`` relative URL, percent-quoted then HTML-escaped: a
+    name with ``#``, ``%``, ``?`` or ``"`` (from ``--out``) broke the images (review, 2026-11-29)."""
+    return html.escape(urllib.parse.quote(path.name))
+
+
+def write_report(lake: Lake, run_id: str, out: Path, home: str | None = None) -> list[Path]:
+    """Write ``out`` (HTML) and its PNG figures; returns every file written. The status shown is
+    ``rlake status``'s for ``home`` (``shown_status``): the lake alone says "running" for a run
+    killed mid-way."""
+    from infra.status import shown_status
+
     data = collect(lake, run_id)
     if not data["steps"]:
         raise ValueError(f"run '{run_id}' has no train_steps yet: nothing to report")
@@ -196,13 +207,13 @@ def write_report(lake: Lake, run_id: str, out: Path) -> list[Path]:
                     for k, pts in data["evals"].items())
     lineage = "".join(f"<li>{k}: {html.escape(str(run[k]))}</li>" for k in ("replay_of", "parent_run_id")
                       if run.get(k))
-    body = "".join(f'<h2>{html.escape(t)}</h2><img src="{p.name}" alt="{html.escape(t)}">'
+    body = "".join(f'<h2>{html.escape(t)}</h2><img src="{image_src(p)}" alt="{html.escape(t)}">'
                    for t, p in figures)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>rlake run {html.escape(run_id)}</title>
 <style>body{{font-family:sans-serif;max-width:1000px;margin:2em auto}}table{{border-collapse:collapse;
 font-size:12px}}td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}img{{max-width:100%}}</style>
 </head><body><h1>rlake run {html.escape(run_id)}</h1>
-<ul><li>status: {html.escape(str(run.get('status')))}</li><li>MLflow run: {html.escape(str(run.get('mlflow_run_id')))}</li>
+<ul><li>status: {html.escape(str(shown_status(run, home)))}</li><li>MLflow run: {html.escape(str(run.get('mlflow_run_id')))}</li>
 <li>iterations: {len(data['steps'])}, samples trained: {sum(s['n_samples'] or 0 for s in data['steps'])}</li>{lineage}</ul>
 <h2>Held-out evaluation</h2><ul>{evals or '<li>none</li>'}</ul>{body}
 <h2>Per iteration</h2>{_table(data)}</body></html>"""

@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.table import Column, Table
 
 from buffer import Lake
+from buffer.delta import is_local, local_path
 from infra.recovery import run_owner
 
 # a "running" run read from the lake alone (`--lake` without `--home`): only the run folder's lock
@@ -18,12 +19,21 @@ from infra.recovery import run_owner
 UNKNOWN = "running or interrupted"
 NO_HOME = ("no --home given: only the run's home tells whether a live process still owns it "
            "(rlake status --home HOME --lake LAKE)")
+# the same uncertainty with a --home the run's folder is not under (another home's run, in a
+# shared lake): it was shown "running", killed or not (review, 2026-11-29)
+ELSEWHERE = ("its run folder is not under --home {home}: only the home it runs in tells whether a "
+             "live process still owns it (rlake status --home HOME --lake LAKE)")
+
+
+def unknown_hint(home: str | None) -> str:
+    """Why a run is shown ``UNKNOWN``: no home given, or not the run's home."""
+    return NO_HOME if home is None else ELSEWHERE.format(home=home)
 
 
 def show_status(console: Console, lake_uri: str, run_id: str | None, home: str | None = None) -> None:
     """Runs (or one run) from the lake; with ``home``, a run marked running that no live process
-    owns is shown as interrupted (a kill -9 leaves the lake saying "running"); without, as
-    ``UNKNOWN``."""
+    owns is shown as interrupted (a kill -9 leaves the lake saying "running"); without, or for a
+    run whose folder is not under ``home``, as ``UNKNOWN``."""
     lake = Lake(lake_uri)
     if run_id is None:
         _list_runs(console, lake, home)
@@ -33,15 +43,25 @@ def show_status(console: Console, lake_uri: str, run_id: str | None, home: str |
 
 def shown_status(run: dict, home: str | None) -> str:
     """The run's status, "interrupted" for a "running" run whose owner process is gone, and
-    ``UNKNOWN`` for a "running" run when no home tells."""
+    ``UNKNOWN`` for a "running" run when no home tells: none given, or one without the run's
+    folder (another home's run in a shared lake: only that home's lock knows)."""
     if run["status"] != "running":
         return run["status"]
     if home is None:
         return UNKNOWN
     run_dir = Path(home) / "runs" / run["run_id"]
-    if run_dir.exists() and run_owner(run_dir) is None:
-        return "interrupted"
-    return run["status"]
+    if not run_dir.exists():
+        return UNKNOWN
+    return "interrupted" if run_owner(run_dir) is None else run["status"]
+
+
+def resume_hint(run_id: str, home: str, lake_uri: str) -> str:
+    """``rlake resume RUN_ID --home HOME``, with ``--lake`` when the lake is not HOME/lake (the
+    hint left it out, and the printed command then found no run: review, 2026-11-29);
+    shell-quoted (a home with a space)."""
+    args = ["rlake", "resume", run_id, "--home", str(home)]
+    in_home = is_local(lake_uri) and Path(local_path(lake_uri)).resolve() == (Path(home) / "lake").resolve()
+    return shlex.join(args if in_home else [*args, "--lake", lake_uri])
 
 
 def _list_runs(console: Console, lake: Lake, home: str | None) -> None:
@@ -61,7 +81,7 @@ def _list_runs(console: Console, lake: Lake, home: str | None) -> None:
                       str(max((s["weight_version"] for s in mine), default=0)), str(run.get("updated_at")))
     console.print(table)
     if UNKNOWN in shown.values():
-        console.print(f"{UNKNOWN}: {NO_HOME}", highlight=False, soft_wrap=True)
+        console.print(f"{UNKNOWN}: {escape(unknown_hint(home))}", highlight=False, soft_wrap=True)
 
 
 def _show_run(console: Console, lake: Lake, run_id: str, home: str | None) -> None:
@@ -74,12 +94,12 @@ def _show_run(console: Console, lake: Lake, run_id: str, home: str | None) -> No
     status = shown_status(run, home)
     console.print(f"[bold]{run_id}[/]  status: {status}  MLflow run: {run.get('mlflow_run_id')}")
     if status == "interrupted":
-        resume = shlex.join(["rlake", "resume", run_id, "--home", str(home)])  # a home with a space
+        resume = resume_hint(run_id, str(home), lake.uri)
         # soft_wrap: one line, to be copied as it is
         console.print(f"  no live process owns it (killed?): {escape(resume)}", highlight=False,
                       soft_wrap=True)
     if status == UNKNOWN:
-        console.print(f"  {NO_HOME}", highlight=False, soft_wrap=True)
+        console.print(f"  {escape(unknown_hint(home))}", highlight=False, soft_wrap=True)
     start = "after SFT"
     if run.get("replay_of"):
         asked = json.loads(run.get("notes") or "{}")

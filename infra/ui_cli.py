@@ -1,8 +1,9 @@
 """``rlake ui prefect|mlflow``: a run's Prefect or MLflow UI, offline, on 127.0.0.1.
 
 The UI server runs as a child process in its own session (a Ctrl-C here stops it, and nothing
-of it outlives the command) with every telemetry/analytics switch of ``infra.env.OFFLINE_ENV``
-set. The MLflow experiment is tagged ``mlflow.experimentKind = custom_model_development`` and the
+of it outlives the command: a SIGTERM or SIGHUP stops it as a Ctrl-C does, and a SIGKILL of
+this process has the kernel SIGTERM the server) with every telemetry/analytics switch of
+``infra.env.OFFLINE_ENV`` set. The MLflow experiment is tagged ``mlflow.experimentKind = custom_model_development`` and the
 printed address carries ``workflowType=machine_learning``: MLflow 3 otherwise opens an
 experiment on its (empty, for rlake) GenAI overview instead of the runs and their metric charts.
 """
@@ -22,6 +23,7 @@ import typer
 from rich.console import Console
 
 from infra.env import OFFLINE_ENV
+from infra.prefect_server import _die_with_parent
 
 UIS = ("prefect", "mlflow")
 DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000}
@@ -91,6 +93,31 @@ def stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
             continue
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _interrupt(signum: int, frame: object) -> None:  # noqa: ARG001 - signal handler signature
+    raise KeyboardInterrupt
+
+
+def stop_on_signals() -> dict[int, object]:
+    """SIGTERM and SIGHUP (``kill``, a closed terminal) raise KeyboardInterrupt, as a Ctrl-C: the
+    ``finally`` that stops the server runs. Before, they ended this process at once and left the
+    server, in its own session, running (review, 2026-11-29). Returns the handlers replaced."""
+    old = {}
+    try:
+        for sig in STOP_SIGNALS:
+            old[sig] = signal.signal(sig, _interrupt)
+    except ValueError:  # not the main thread: signals cannot be set (the parent-death signal stays)
+        pass
+    return old
+
+
+def restore_signals(old: dict[int, object]) -> None:
+    for sig, handler in old.items():
+        signal.signal(sig, handler)
+
+
 def ui_command(
     which: Annotated[str, typer.Argument(help="prefect | mlflow")],
     home: Annotated[str, typer.Option("--home", help="state folder of the runs")] = "./rlake-home",
@@ -114,10 +141,15 @@ def ui_command(
         os.environ.setdefault(key, value)
     landing = mlflow_landing(root, base) if which == "mlflow" else base
     log = state / f"ui-{which}.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(ui_command_line(which, root, port), env=ui_env(which, root),
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+    old = stop_on_signals()
+    try:
+        with open(log, "w") as out:  # the server dies with this process even if it is SIGKILLed
+            proc = subprocess.Popen(ui_command_line(which, root, port), env=ui_env(which, root),
+                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, preexec_fn=_die_with_parent)  # noqa: PLW1509
+    except BaseException:
+        restore_signals(old)
+        raise
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not answers(base + HEALTH[which]):
@@ -132,4 +164,5 @@ def ui_command(
         proc.wait()
         raise RuntimeError(f"the {which} UI server exited ({proc.returncode}); see {log}")
     finally:
+        restore_signals(old)  # a second SIGTERM while stopping: the parent-death signal covers it
         stop(proc)
