@@ -42,7 +42,7 @@ class RichReporter:
         elif event == "rl_start":
             self.rl_task = self.progress.add_task("RL iterations", total=p["total"],
                                                   completed=p["start"], info="")
-        elif event == "eval":
+        elif event == "eval" and p["accuracy"] is not None:  # None: no eval set (tasks/eval.py)
             self.last_acc = p["accuracy"]
             score = accuracy_text(p["accuracy"])
             score += " (its rewards failed)" if score == "none" else ""
@@ -58,7 +58,7 @@ class RichReporter:
                                f"checkpoint v{p['from']}: re-trained iterations {p['iterations']} "
                                "on their samples in the lake (no generation)")
         elif event == "iteration" and self.rl_task is not None:
-            if "eval/accuracy" in p:
+            if p.get("eval/accuracy") is not None:
                 self.__call__("eval", {"iteration": p["iteration"] + 1, "accuracy": p["eval/accuracy"]})
             acc = "" if self.last_acc is None else f" | acc {accuracy_text(self.last_acc)}"
             # a replay generates nothing: no tokens/s

@@ -347,8 +347,15 @@ class Qwen2ForCausalLM(nn.Module):
             weights.pop("lm_head.weight", None)
         save_file({k: v.detach().contiguous() for k, v in weights.items()},
                   str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
-        (folder / CONFIG_FILE).write_text(json.dumps(self.config.to_dict(), indent=2,
-                                                     sort_keys=True) + "\n")
+        # config.json's dtype is the written tensors' (fp32 weights under a bf16 base's
+        # "dtype": "bfloat16" were loaded by transformers as bf16, not as trained)
+        config = self.config.to_dict()
+        dtypes = {v.dtype for v in weights.values() if v.is_floating_point()}
+        if len(dtypes) == 1:
+            name = str(dtypes.pop()).removeprefix("torch.")
+            config.update(dict.fromkeys([k for k in ("dtype", "torch_dtype") if k in config]
+                                        or ["dtype"], name))
+        (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if self.generation_config is not None:
             (folder / GENERATION_CONFIG_FILE).write_text(
                 json.dumps(self.generation_config, indent=2, sort_keys=True) + "\n")

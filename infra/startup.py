@@ -78,12 +78,13 @@ def check_lake_uri(cfg: RunConfig) -> None:
     _writable_dir(path, "lake_uri")
 
 
-def check_data(cfg: RunConfig) -> None:
-    """Read every configured data file once (format, encoding, keys, a row's own ``rm_type``):
-    errors name file and line."""
+def check_data(cfg: RunConfig, new_run: bool = True) -> None:
+    """Read every configured data file once (format, encoding, keys, a row's own ``rm_type``;
+    for a ``new_run``, the labels its SFT warm-up trains on): errors name file and line."""
     from rewards.registry import check_labels
     from rollout.data import load_prompt_file
     from rollout.evaluation import prompt_file_keys
+    from rollout.setup import check_sft_labels
 
     d, r = cfg.data, cfg.rollout
     files = []
@@ -96,11 +97,13 @@ def check_data(cfg: RunConfig) -> None:
     # an eval set's own rm_type scores it, even in a run with a custom reward (Scorer.from_config)
     files += [(ds.path, prompt_file_keys(ds, d), ds.rm_type or r.rm_type,
                None if ds.rm_type else r.custom_rm_path) for ds in cfg.eval.datasets if ds.path]
-    for path, keys, rm_type, custom_rm_path in files:
+    for n, (path, keys, rm_type, custom_rm_path) in enumerate(files):
         records = load_prompt_file(path, *keys)
         check_row_rewards(records, path, r.rm_url)
         try:  # a row without a label, scored by a reward that compares with it
             check_labels(records, path, rm_type, custom_rm_path)
+            if new_run and n == 0 and d.prompt_data:
+                check_sft_labels(cfg, records, path)
         except ValueError as e:
             raise StartupError(str(e)) from None
 
@@ -389,7 +392,7 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool,
     if resume:
         row = load_row(lake, cfg, run_id)
         recorded = config_from_dict(json.loads(row["config"]))
-        check_data(recorded)
+        check_data(recorded, new_run=False)
         changed = changed_prompt_data(json.loads(row.get("notes") or "{}").get("prompt_data"),
                                       recorded.data.prompt_data)
         if changed:

@@ -10,6 +10,7 @@ from rollout.data import (
     check_prompt_lengths,
     drop_long_prompts,
     load_prompt_file,
+    locate,
     next_data_position,
 )
 from rollout.evaluation import build_eval_sets
@@ -40,15 +41,48 @@ def load_run_data(cfg, tokenizer) -> tuple[PromptDataset, list[dict]]:
     return dataset, (split.held_out if split else [])
 
 
+def check_sft_labels(cfg, records: list[dict], source: str) -> None:
+    """The SFT warm-up trains on each row's label as the response: a row without one (a null
+    label, allowed for a custom reward) was trained as the text "None". Refused before a new
+    run is recorded (``infra.startup.check_data``), naming the row, while the warm-up is on; a
+    resume is not refused (its warm-up may be long done)."""
+    if not (cfg.sft.enabled and cfg.sft.steps > 0):
+        return
+    for i, rec in enumerate(records):
+        if rec.get("label") is None:
+            key = cfg.data.label_key
+            what = f"a null '{key}'" if key else "no label (data.label_key is null)"
+            raise ValueError(f"{locate(source, rec.get('row', i))}: {what}, and the SFT warm-up "
+                             "trains on labels; give every row a label, or set sft.enabled=false")
+
+
+# the names HF configs give the context length (transformers' attribute maps: GPT-2's
+# n_positions/n_ctx, ChatGLM's seq_length, ...), read from config.json without importing it
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length",
+                "max_sequence_length")
+
+
+def config_positions(config: dict) -> int | None:
+    """The context length a ``config.json`` gives under any of ``CONTEXT_KEYS`` (its
+    ``text_config``'s for a multimodal one), or None. Reading only max_position_embeddings let
+    a GPT-2's over-long prompt through to die mid-run ("index out of range in self")."""
+    for section in (config, config.get("text_config") or {}):
+        for key in CONTEXT_KEYS:
+            value = section.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
 def context_limit(cfg, tokenizer, response_len: int | None = None) -> int | None:
-    """The longest prompt the model can take: max_position_embeddings - ``response_len``
-    (default rollout_max_response_len); None when the model does not say."""
+    """The longest prompt the model can take: the model's context (``config_positions``) -
+    ``response_len`` (default rollout_max_response_len); None when the model does not say."""
     if cfg.model.path:
         import json
         from pathlib import Path
 
         config = json.loads((Path(cfg.model.path) / "config.json").read_text())
-        positions = config.get("max_position_embeddings")
+        positions = config_positions(config)
     else:
         positions = cfg.model.tiny.max_position_embeddings
     if not positions:

@@ -58,10 +58,14 @@ def mlflow_key(dataset: str, metric: str) -> str:
 
 
 @step_task(name="evaluate")
-def evaluate(rt: Runtime, iteration: int) -> dict[str, float]:
+def evaluate(rt: Runtime, iteration: int) -> dict[str, float | None]:
     """Evaluate the engine's current weights on every eval set; returns ``accuracy`` (held-out
-    pass@1, or the first set's when there is no held-out set) and ``{dataset}/{metric}``."""
+    pass@1, or the first set's when there is no held-out set) and ``{dataset}/{metric}``.
+    With no eval set (``eval.datasets: []``) nothing is evaluated or written and ``accuracy``
+    is None: a run on its own data may train without one, as TRL's and verl's do."""
     version = rt.engine.weight_version
+    if not rt.eval_sets:
+        return {"accuracy": None, "weight_version": version}
     rt.seed_evaluation(version)
     ctx = rollout_context(rt)
     ctx.generate_fn = rt.rollout.generate_fn

@@ -10,14 +10,24 @@ from __future__ import annotations
 
 from infra.runtime import Runtime
 from rewards.registry import score_samples
-from rollout.rollout import encode_prompt, generate_samples, make_samples
+from rollout.rollout import encode_prompt, generate_samples, make_samples, render_prompt
 from tasks.step import step_task
 from tasks.train import in_process_weights
 from trainers.base import TrainBatch
 
 
+def sft_prompt_ids(rt: Runtime, record: dict) -> list[int]:
+    """The record's prompt tokens exactly as RL's rollout renders them (chat messages, and
+    ``data.apply_chat_template``, through the tokenizer's template): SFT on other text than RL
+    generates from trained the wrong prompt, and chat prompts failed outright."""
+    text = render_prompt(rt.tokenizer, record["prompt"], rt.cfg.data.apply_chat_template,
+                         record.get("tools"))
+    return encode_prompt(rt.tokenizer, text)
+
+
 def sft_batch(rt: Runtime, step: int) -> TrainBatch:
-    """Batch ``step`` of the seeded data order: responses are the labels followed by EOS."""
+    """Batch ``step`` of the seeded data order: responses are the labels followed by EOS (every
+    row has one: ``rollout.setup.check_sft_labels`` refused the data at start-up otherwise)."""
     size = rt.cfg.sft.batch_size
     records = [rec for _, rec in rt.dataset.take(step * size, size)]
     tok = rt.tokenizer
@@ -25,7 +35,7 @@ def sft_batch(rt: Runtime, step: int) -> TrainBatch:
                  for r in records]
     return TrainBatch(
         sample_uids=[f"sft/{step}/{i}" for i in range(size)],
-        prompt_token_ids=[encode_prompt(tok, r["prompt"]) for r in records],
+        prompt_token_ids=[sft_prompt_ids(rt, r) for r in records],
         response_token_ids=responses, loss_mask=[[1] * len(x) for x in responses],
         rollout_logprobs=[[] for _ in records], rewards=[0.0] * size, group_keys=[""] * size,
         weight_versions=[0] * size)
@@ -41,7 +51,8 @@ def training_accuracy(rt: Runtime) -> float:
         rt.trainer.save(str(path))
         rt.engine.update_weights(str(path), rt.engine.weight_version)
     prompts = list(enumerate(rt.dataset.records[:rt.cfg.sft.check_size]))
-    samples = make_samples(prompts, rt.tokenizer, 1, rt.dataset.source)
+    samples = make_samples(prompts, rt.tokenizer, 1, rt.dataset.source,
+                           apply_chat_template=rt.cfg.data.apply_chat_template)
     generate_samples(rt.engine, rt.tokenizer, samples, rt.sampling(greedy=True))
     score_samples(samples, rt.reward_fn)
     return sum(s.reward == 1.0 for s in samples) / len(samples)

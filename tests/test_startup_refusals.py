@@ -173,7 +173,8 @@ def test_a_run_id_taken_in_a_shared_lake_names_the_owners_home_to_resume(tmp_pat
 def test_a_prompt_file_row_without_a_label_is_refused_at_start_for_a_labelled_reward(tmp_path):
     """``exact`` compares the response with the label: a row with a null label is named (file
     and line) before the run is recorded, not failed as a sample at every iteration; the same
-    file under a reward that needs no label (``countdown``) starts."""
+    file under a reward that needs no label (``countdown``) starts without an SFT warm-up (which
+    trains on labels: tests/test_user_models.py)."""
     from infra.startup import check_data
 
     prompts = tmp_path / "p.jsonl"
@@ -183,4 +184,5 @@ def test_a_prompt_file_row_without_a_label_is_refused_at_start_for_a_labelled_re
     with pytest.raises(StartupError, match=rf"{prompts}:line 2: the label is null \(missing\), "
                                            r"but its reward 'exact'"):
         check_data(cfg)
-    check_data(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"rm_type": "countdown"})}))
+    check_data(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"rm_type": "countdown"}),
+                                      "sft": cfg.sft.model_copy(update={"enabled": False})}))

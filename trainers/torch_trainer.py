@@ -41,8 +41,19 @@ from trainers.reference import load_reference, needs_reference
 from trainers.shared_prompt import response_hidden
 
 STATE_FILE = "trainer_state.pt"
+# every file a HF tokenizer may load from (fast, slow BPE/WordPiece/SentencePiece, tiktoken,
+# templates): a checkpoint holds those its model folder has, so it loads with AutoTokenizer and
+# encodes as the base did (one whose tokenizer was vocab.json + merges.txt lost it)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja")
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model", "sentencepiece.model", "qwen.tiktoken",
+                   "tokenizer.tiktoken", "preprocessor_config.json", "processor_config.json")
+
+
+def tokenizer_file_names(folder: Path) -> tuple[str, ...]:
+    """``TOKENIZER_FILES`` and any ``*.tiktoken`` file ``folder`` has (named by the model)."""
+    return tuple(dict.fromkeys([*TOKENIZER_FILES, *(p.name for p in folder.glob("*.tiktoken"))]))
 
 
 def response_logprobs(model: torch.nn.Module, pb: PaddedBatch, temperature: float = 1.0,
@@ -154,7 +165,7 @@ class TorchTrainer:
         self.critic_optimizer: Optimizer | None = None
         self._reference: torch.nn.Module | None = None
         # read once: the folder the trainer came from may be a checkpoint pruned later
-        self._tokenizer_files = read_files(Path(model_dir), TOKENIZER_FILES)
+        self._tokenizer_files = read_files(Path(model_dir), tokenizer_file_names(Path(model_dir)))
         self.checkpoint_writer = CheckpointWriter()
 
     def _load_policy(self, path: str) -> torch.nn.Module:
