@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import signal
@@ -31,43 +32,69 @@ from buffer import Lake
 from flows.maintenance import lake_maintenance
 from flows.rl import rl_run
 from infra.config import ConfigError, RunConfig, check_run_id, config_differences, config_from_dict
-from infra.recovery import run_owner
+from infra.recovery import claim_run, release_run, run_owner
 
 MAINTENANCE = "lake-maintenance"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 ROOT = Path(__file__).resolve().parents[1]
+# an interval schedule's bounds: below 1 s Prefect's scheduler makes runs faster than any run
+# starts; NaN, inf and 1e20 s broke `rlake serve` (its rescan died on an OverflowError: review,
+# 2026-11-29)
+MIN_INTERVAL_S = 1.0
+MAX_INTERVAL_S = 366 * 86400.0
 
 
 @flow(name="scheduled_run")
-def scheduled_run(config: dict, run_id: str) -> dict:
+def scheduled_run(config: dict, run_id: str, base: str | None = None) -> dict:
     """Start ``run_id`` if the lake has never seen it, continue it if it is unfinished, else
-    nothing (it is complete)."""
+    nothing (it is complete, or another process runs it). ``base``: the folder ``rlake deploy``
+    ran in (relative paths of a run recorded by ``rlake run`` there mean paths under it)."""
     # a spec recorded before ``rlake deploy`` checked --run-id: '../../x y' made the run's
     # folder outside the home (review, 2026-11-29)
     check_run_id(run_id)
     cfg = config_from_dict(config)
-    row = Lake(cfg.resolved_lake_uri, cfg.storage_options or None).get_run(run_id)
-    check_recorded_config(cfg, run_id, row)
+    lake = Lake(cfg.resolved_lake_uri, cfg.storage_options or None)
+    row = lake.get_run(run_id)
+    check_recorded_config(cfg, run_id, row, base=base)
     if row is not None and row["status"] == "completed":
         return {"run_id": run_id, "status": "completed", "action": "none"}
-    owner = run_owner(Path(cfg.home).resolve() / "runs" / run_id)
-    if owner is not None:  # the previous tick is still at it
-        return {"run_id": run_id, "status": "running", "action": f"none (process {owner} runs it)"}
-    summary = rl_run(config, run_id=run_id, resume=row is not None)
+    run_dir = Path(cfg.home).resolve() / "runs" / run_id
+    # the tick claims the run folder, then looks again: two ticks starting at once both found no
+    # owner (``run_owner``) and the second failed in rl_run's own claim, with a traceback and a
+    # Failed flow run (review, 2026-11-29); rl_run's claim nests in this one
+    try:
+        claim_run(run_dir)
+    except ValueError:  # another live process (the previous tick, a `rlake resume`) runs it
+        owner = run_owner(run_dir)
+        return {"run_id": run_id, "status": "running",
+                "action": f"none (process {owner or 'another'} runs it)"}
+    try:
+        row = lake.get_run(run_id)  # the other tick may have started or finished it meanwhile
+        check_recorded_config(cfg, run_id, row, base=base)
+        if row is not None and row["status"] == "completed":
+            return {"run_id": run_id, "status": "completed", "action": "none"}
+        summary = rl_run(config, run_id=run_id, resume=row is not None)
+    finally:
+        release_run(run_dir)
     return {**summary, "action": "resumed" if row is not None else "started"}
 
 
-def check_recorded_config(cfg: RunConfig, run_id: str, row: dict | None) -> None:
+def check_recorded_config(cfg: RunConfig, run_id: str, row: dict | None,
+                          base: str | Path | None = None) -> None:
     """Refuse a deployment whose run the lake holds (``row``) with another config: it would be
     continued with the config it was started with (a resume reads it from the lake), and the
     deployment's own would be ignored without a word (e.g. ``--run-id`` naming a run started
     by ``rlake run``). A run whose length a resume changed (``--num-rollout``) goes to its
-    recorded length."""
+    recorded length. ``base``: where the recorded config's relative paths are taken from (the
+    deployment's own are absolute: ``absolute_paths``)."""
     if row is None:
         return
     # a length changed by `rlake resume --num-rollout` (infra.extend) is the run's from then on
     changed_length = "num_rollout_changes" in json.loads(row.get("notes") or "{}")
-    differences = config_differences(config_from_dict(json.loads(row["config"])), cfg,
+    recorded = json.loads(row["config"])
+    if base is not None:
+        recorded = absolute_paths(recorded, base)
+    differences = config_differences(config_from_dict(recorded), cfg,
                                      ignore=("home", "run_id", *(("num_rollout",) if changed_length else ())))
     if differences:
         shown = "; ".join(differences[:5]) + (f"; and {len(differences) - 5} more"
@@ -81,17 +108,57 @@ def spec_dir(home: str | Path) -> Path:
     return Path(home).resolve() / "deployments"
 
 
-def save_spec(home: str | Path, name: str, config: dict, run_id: str, cron: str | None,
-              interval: float | None) -> Path:
-    """Record a deployment (one JSON file per name); exactly one of cron / interval."""
-    if not NAME_RE.match(name):
-        raise ValueError(f"--name '{name}': use letters, digits, '-', '_' or '.' (max 64)")
-    if name == MAINTENANCE:
-        raise ValueError(f"--name '{name}' is the built-in maintenance deployment")
+def _absolute(path: str, base: Path) -> str:
+    return str((base / os.path.expanduser(path)).resolve())
+
+
+def _absolute_data_path(spec: str, base: Path) -> str:
+    """``file.jsonl@[a:b]`` with the file's path made absolute (the row slice kept)."""
+    path, at, rows = spec.rpartition("@[")
+    if at and rows.endswith("]") and path:
+        return f"{_absolute(path, base)}@[{rows}"
+    return _absolute(spec, base)
+
+
+def absolute_paths(config: dict, base: str | Path) -> dict:
+    """``config`` (a RunConfig as a mapping) with its local paths absolute, relative ones taken
+    from ``base``: home, a local lake_uri, model.path, trainer.ref_load, data.prompt_data, every
+    eval dataset's path, rollout.sglang.log_dir, rollout.sglang.python when it names a file.
+    Function paths (``module:function``) and remote URIs are kept. A deployment's run executes
+    in ``rlake serve``'s folder: a relative home made the run's lake, MLflow store and run
+    folder there (review, 2026-11-29)."""
+    base = Path(base)
+    out = json.loads(json.dumps(config))  # a deep copy
+
+    def fix(section: dict | None, key: str, convert=_absolute) -> None:
+        if isinstance(section, dict) and isinstance(section.get(key), str) and section[key]:
+            section[key] = convert(section[key], base)
+
+    fix(out, "home")
+    if isinstance(out.get("lake_uri"), str) and "://" not in out["lake_uri"]:
+        fix(out, "lake_uri")
+    fix(out.get("model"), "path")
+    fix(out.get("trainer"), "ref_load")
+    fix(out.get("data"), "prompt_data", _absolute_data_path)
+    for dataset in (out.get("eval") or {}).get("datasets") or []:
+        fix(dataset, "path", _absolute_data_path)
+    sglang = (out.get("rollout") or {}).get("sglang")
+    fix(sglang, "log_dir")
+    if isinstance(sglang, dict) and "/" in str(sglang.get("python") or ""):
+        fix(sglang, "python")
+    return out
+
+
+def check_schedule(cron: str | None, interval: float | None) -> None:
+    """Exactly one of cron / interval, and that one valid: an interval is a number of seconds
+    from ``MIN_INTERVAL_S`` to ``MAX_INTERVAL_S`` (366 days)."""
     if (cron is None) == (interval is None):
         raise ValueError("give exactly one of --cron EXPR or --interval SECONDS")
-    if interval is not None and interval <= 0:
-        raise ValueError(f"--interval must be > 0 seconds, got {interval}")
+    if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int | float)
+                                 or not math.isfinite(interval)
+                                 or not MIN_INTERVAL_S <= interval <= MAX_INTERVAL_S):
+        raise ValueError(f"--interval must be from {MIN_INTERVAL_S:g} to {MAX_INTERVAL_S:.0f} "
+                         f"seconds (366 days), got {interval}")
     if cron is not None:
         from prefect.client.schemas.schedules import CronSchedule
 
@@ -99,50 +166,102 @@ def save_spec(home: str | Path, name: str, config: dict, run_id: str, cron: str 
             CronSchedule(cron=cron)
         except ValueError:
             raise ValueError(f"--cron '{cron}' is not a valid cron expression") from None
+
+
+def save_spec(home: str | Path, name: str, config: dict, run_id: str, cron: str | None,
+              interval: float | None, base: str | Path | None = None) -> Path:
+    """Record a deployment (one JSON file per name); exactly one of cron / interval (checked
+    by ``check_schedule``). ``base``: the folder ``rlake deploy`` ran in (``scheduled_run``)."""
+    if not NAME_RE.match(name):
+        raise ValueError(f"--name '{name}': use letters, digits, '-', '_' or '.' (max 64)")
+    if name == MAINTENANCE:
+        raise ValueError(f"--name '{name}' is the built-in maintenance deployment")
+    check_schedule(cron, interval)
     path = spec_dir(home) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"name": name, "config": config, "run_id": run_id, "cron": cron,
-                                "interval": interval}, indent=1))
+    spec = {"name": name, "config": config, "run_id": run_id, "cron": cron, "interval": interval}
+    if base is not None:
+        spec["base"] = str(base)
+    path.write_text(json.dumps(spec, indent=1))
     return path
 
 
-def load_specs(home: str | Path) -> list[dict]:
+def read_specs(home: str | Path) -> list[tuple[Path, dict | Exception]]:
+    """(path, spec) for every recorded deployment, in name order; a spec that cannot be read or
+    is not a mapping with a name is (path, the error), for the caller to report."""
     folder = spec_dir(home)
-    out = []
+    out: list[tuple[Path, dict | Exception]] = []
     for path in sorted(folder.glob("*.json")) if folder.exists() else []:
         try:
-            out.append(json.loads(path.read_text()))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON: {err}") from None
+            spec = json.loads(path.read_text())
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise ValueError("not a deployment (a JSON object with a name)")
+            out.append((path, spec))
+        except (OSError, ValueError) as err:
+            out.append((path, ValueError(f"not valid JSON: {err}") if isinstance(
+                err, json.JSONDecodeError) else err))
     return out
+
+
+def load_specs(home: str | Path) -> list[dict]:
+    out = []
+    for path, spec in read_specs(home):
+        if isinstance(spec, Exception):
+            raise ValueError(f"{path}: {spec}")
+        out.append(spec)
+    return out
+
+
+async def build_deployment(spec: dict):
+    """The RunnerDeployment of one recorded spec; a ValueError (or another error) when the spec
+    cannot be served (a bad schedule or run id written by hand: it is reported, not served)."""
+    check_schedule(spec.get("cron"), spec.get("interval"))
+    check_run_id(spec.get("run_id"))
+    if not isinstance(spec.get("config"), dict):
+        raise ValueError("its 'config' is not a mapping")
+    parameters = {"config": spec["config"], "run_id": spec["run_id"]}
+    if spec.get("base"):
+        parameters["base"] = spec["base"]
+    # not the rlake-run tag: a resume marks RUNNING flow runs with that tag Crashed, and the
+    # tick's own flow run is RUNNING while it resumes
+    return await scheduled_run.ato_deployment(
+        name=spec["name"], cron=spec["cron"], interval=spec["interval"], parameters=parameters,
+        tags=["rlake", f"rlake-deployment:{spec['run_id']}"])
+
+
+async def maintenance_deployment(home: str | Path, maintenance_interval: float):
+    lake_uri = str(Path(home).resolve() / "lake")
+    return await lake_maintenance.ato_deployment(
+        name=MAINTENANCE, interval=maintenance_interval, parameters={"lake_uri": lake_uri},
+        tags=["rlake"])
 
 
 async def build_deployments(home: str | Path, maintenance_interval: float | None,
                             skip: dict[str, str] | None = None) -> list[tuple[str, object]]:
     """(key, RunnerDeployment) for every recorded spec, plus lake maintenance (None: not
     served); the key is the spec it was built from, and names whose key is in ``skip`` (already
-    served as is) are left out."""
-    wanted = {spec["name"]: (json.dumps(spec, sort_keys=True), spec) for spec in load_specs(home)}
-    if maintenance_interval:
-        wanted[MAINTENANCE] = (f"every {maintenance_interval}", None)
+    served as is) are left out. The first spec that cannot be built raises (``_serve`` builds
+    them one by one instead, reporting each bad one)."""
     out = []
-    for name, (key, spec) in wanted.items():
-        if (skip or {}).get(name) == key:
-            continue
-        if spec is None:
-            lake_uri = str(Path(home).resolve() / "lake")
-            deployment = await lake_maintenance.ato_deployment(
-                name=MAINTENANCE, interval=maintenance_interval, parameters={"lake_uri": lake_uri},
-                tags=["rlake"])
-        else:
-            # not the rlake-run tag: a resume marks RUNNING flow runs with that tag Crashed, and
-            # the tick's own flow run is RUNNING while it resumes
-            deployment = await scheduled_run.ato_deployment(
-                name=name, cron=spec["cron"], interval=spec["interval"],
-                parameters={"config": spec["config"], "run_id": spec["run_id"]},
-                tags=["rlake", f"rlake-deployment:{spec['run_id']}"])
-        out.append((key, deployment))
+    for spec in load_specs(home):
+        key = spec_key(spec)
+        if (skip or {}).get(spec["name"]) != key:
+            out.append((key, await build_deployment(spec)))
+    if maintenance_interval and (skip or {}).get(MAINTENANCE) != f"every {maintenance_interval}":
+        out.append((f"every {maintenance_interval}",
+                    await maintenance_deployment(home, maintenance_interval)))
     return out
+
+
+def spec_key(spec: dict) -> str:
+    return json.dumps(spec, sort_keys=True)
+
+
+def run_complete(spec: dict) -> bool:
+    """Whether the lake records the spec's run as completed (its ticks would do nothing)."""
+    cfg = config_from_dict(spec["config"])
+    row = Lake(cfg.resolved_lake_uri, cfg.storage_options or None).get_run(spec["run_id"])
+    return row is not None and row["status"] == "completed"
 
 
 def serve_forever(home: str | Path, api_url: str, maintenance_interval: float | None,
@@ -162,7 +281,7 @@ def serve_forever(home: str | Path, api_url: str, maintenance_interval: float | 
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
-    if not load_specs(home) and not maintenance_interval:
+    if not read_specs(home) and not maintenance_interval:
         raise ValueError("nothing to serve: no deployments recorded and maintenance is off")
     try:
         asyncio.run(_serve(home, maintenance_interval, limit, rescan_s))
@@ -198,20 +317,80 @@ async def _serve(home: str | Path, maintenance_interval: float | None, limit: in
 
     runner = CleanStopRunner(name="rlake-serve", limit=limit)
     served: dict[str, str] = {}  # deployment name -> the spec it was registered from
+    specs: dict[str, dict] = {}  # deployment name -> its spec (served ones)
+    ids: dict[str, Any] = {}  # deployment name -> its id on the server
+    said: dict[str, str] = {}  # deployment name -> the last problem reported (said once)
+    paused: set[str] = set()  # deployments paused here because their run is complete
+
+    def say_once(name: str, message: str) -> None:
+        if said.get(name) != message:
+            said[name] = message
+            print(message, flush=True)
 
     async def register_new() -> None:
-        for key, deployment in await build_deployments(home, maintenance_interval, skip=served):
-            await runner.aadd_deployment(deployment)
-            served[deployment.name] = key
-            print(f"serving deployment '{deployment.name}'", flush=True)
+        """Serve every spec not served as it is now; a spec that fails (a bad file written by
+        hand, an interval the scheduler cannot hold) is reported with its path, once per
+        content, and the others are served: it never brings the serve down (an OverflowError
+        in the rescan did: review, 2026-11-29)."""
+        if maintenance_interval and MAINTENANCE not in served:
+            ids[MAINTENANCE] = await runner.aadd_deployment(
+                await maintenance_deployment(home, maintenance_interval))
+            served[MAINTENANCE] = f"every {maintenance_interval}"
+            print(f"serving deployment '{MAINTENANCE}'", flush=True)
+        for path, spec in read_specs(home):
+            name = spec.get("name") if isinstance(spec, dict) else None
+            name = name if isinstance(name, str) else path.stem
+            try:
+                if isinstance(spec, Exception):
+                    raise spec
+                if name == MAINTENANCE:
+                    raise ValueError(f"'{MAINTENANCE}' is the built-in maintenance deployment")
+                key = spec_key(spec)
+                if served.get(name) == key:
+                    continue
+                ids[name] = await runner.aadd_deployment(await build_deployment(spec))
+            except Exception as err:  # noqa: BLE001 - reported; the other deployments go on
+                say_once(name, f"deployments: {path}: not served: {type(err).__name__}: {err}")
+                continue
+            served[name], specs[name] = key, spec
+            paused.discard(name)  # registering it again unpaused it
+            said.pop(name, None)
+            print(f"serving deployment '{name}'", flush=True)
+
+    async def pause_complete() -> None:
+        """Pause a served deployment whose run is complete (its ticks would only start a
+        process that does nothing: ~10-20 s each here, delaying the other deployments), and
+        resume one whose run is no longer complete (``rlake resume --num-rollout``)."""
+        from prefect import get_client
+
+        for name, spec in list(specs.items()):
+            try:
+                complete = await anyio.to_thread.run_sync(run_complete, spec)
+                if complete == (name in paused):
+                    continue
+                async with get_client() as client:
+                    if complete:
+                        await client.pause_deployment(ids[name])
+                        paused.add(name)
+                        print(f"deployment '{name}': run {spec['run_id']} is complete: paused "
+                              "(no more ticks)", flush=True)
+                    else:
+                        await client.resume_deployment(ids[name])
+                        paused.discard(name)
+                        print(f"deployment '{name}': run {spec['run_id']} is not complete: "
+                              "resumed", flush=True)
+            except Exception as err:  # noqa: BLE001 - reported; the serve goes on
+                say_once(f"{name} (pause)", f"deployments: '{name}': could not check its run: "
+                                            f"{type(err).__name__}: {err}")
 
     async def rescan() -> None:
         while True:
             await anyio.sleep(rescan_s)
             try:
                 await register_new()
-            except ValueError as err:  # a bad spec file: say so, keep serving the others
-                print(f"deployments: {err}", flush=True)
+                await pause_complete()
+            except Exception as err:  # noqa: BLE001 - e.g. the deployments folder unreadable
+                print(f"deployments: {type(err).__name__}: {err}", flush=True)
 
     async def stop_when_asked(group: anyio.abc.TaskGroup) -> None:
         await stop_asked.wait()
@@ -226,6 +405,7 @@ async def _serve(home: str | Path, maintenance_interval: float | None, limit: in
     # (review, 2026-11-29); as a loop signal handler it only asks the loop to stop the runner
     with sigint_asks(loop, stop_asked):
         await register_new()
+        await pause_complete()
         async with anyio.create_task_group() as group:
             group.start_soon(rescan)
             group.start_soon(stop_when_asked, group)

@@ -125,18 +125,24 @@ def register(app: typer.Typer, debug: Callable[[], bool] = lambda: False) -> Non
         """Record a deployment that starts, then continues, a run on a schedule (served by `rlake serve`)."""
         from infra.config import load_config
 
-        cfg = load_config(config, set_ or [])
-        from flows.deployments import check_recorded_config, save_spec
+        loaded = load_config(config, set_ or [])
+        from flows.deployments import absolute_paths, check_recorded_config, check_schedule, save_spec
         from infra.startup import check_new_run_id, get_run_row, open_lake
 
+        check_schedule(cron, interval)  # before anything is read: --interval nan is refused at once
         if run_id is not None:  # '../../x y' made serve write outside the home (review, 2026-11-29)
             check_new_run_id(run_id)
+        # the run executes in serve's folder, not this one: its home and local paths are recorded
+        # absolute (a relative home put the run's lake, MLflow store and folder under serve's
+        # folder: review, 2026-11-29)
+        base = Path.cwd()
+        cfg = config_from_dict(absolute_paths(loaded.model_dump(), base))
         run = run_id if run_id is not None else cfg.run_id or name
         row = get_run_row(open_lake(cfg), cfg, run)
-        check_recorded_config(cfg, run, row)  # fail now, not at every tick
+        check_recorded_config(cfg, run, row, base=base)  # fail now, not at every tick
         if row is not None and row["status"] == "completed":
-            console.print(f"[yellow]run {run} is complete: the deployment's ticks will do nothing[/]")
-        path = save_spec(cfg.home, name, cfg.model_dump(), run, cron, interval)
+            console.print(f"[yellow]run {run} is complete: serve pauses the deployment (no ticks)[/]")
+        path = save_spec(cfg.home, name, cfg.model_dump(), run, cron, interval, base=base)
         when = f"cron '{cron}'" if cron else f"every {interval:g} s"
         console.print(f"deployment [bold]{name}[/] (run {run}, {when}) recorded in {path}")
         console.print(f"serve it: rlake serve --home {cfg.home}   (a running serve picks it up)")
@@ -153,7 +159,13 @@ def register(app: typer.Typer, debug: Callable[[], bool] = lambda: False) -> Non
         import signal
 
         from infra.env import configure_environment
-        from infra.prefect_server import ensure_server, server_info, stop_server
+        from infra.prefect_server import (
+            ensure_server,
+            lock_serve,
+            server_info,
+            starter_gone,
+            stop_server,
+        )
 
         def stop(signum, frame):  # noqa: ARG001 - signal handler signature
             raise KeyboardInterrupt
@@ -161,16 +173,24 @@ def register(app: typer.Typer, debug: Callable[[], bool] = lambda: False) -> Non
         # SIGTERM at any moment (even while the server starts) is a clean stop, exit status 0
         signal.signal(signal.SIGTERM, stop)
         started = False
+        lock = None
         try:
+            # one serve per home, for its whole life (released on any exit, kill -9 included)
+            lock = lock_serve(home)
             configure_environment(home)
-            started = server_info(home) is None
+            info = server_info(home)
+            # a server whose starter is gone (killed before servers died with their starter)
+            # is this serve's to stop
+            started = info is None or starter_gone(info)
             url = ensure_server(home, port)
             # Prefect reads its settings once, at import: point it at the server before
             # importing it (else it would start an embedded server of its own)
             os.environ["PREFECT_API_URL"] = url
             from flows.deployments import serve_forever
 
-            console.print(f"Prefect server: {url} ({'started' if started else 'already running'})")
+            how = "started" if info is None else (
+                "adopted: its starter is gone, stopped with this serve" if started else "already running")
+            console.print(f"Prefect server: {url} ({how})")
             serve_forever(home, url, maintenance_interval or None, limit)
         except KeyboardInterrupt:
             console.print("stopping")
@@ -178,6 +198,8 @@ def register(app: typer.Typer, debug: Callable[[], bool] = lambda: False) -> Non
             if started:
                 stop_server(home)
                 console.print("Prefect server stopped")
+            if lock is not None:
+                lock.close()  # releases the serve lock
 
 
 def print_replay_summary(summary: dict) -> None:

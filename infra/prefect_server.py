@@ -4,7 +4,10 @@
     stop_server(home)                 # end it by PID
 
 The server's database lives in ``{home}/prefect`` (``PREFECT_HOME``); ``{home}/prefect/server.json``
-records its PID and URL so ``rlake serve``, ``rlake deploy`` and a test can share one. Unlike the
+records its PID, URL and starter (the process that started it) so ``rlake serve``, ``rlake
+deploy`` and a test can share one. It dies with its starter (``PR_SET_PDEATHSIG``: a kill -9 of
+``rlake serve`` left it running forever, adopted by every later serve and never stopped: review,
+2026-11-29). One ``rlake serve`` per home: ``lock_serve``. Unlike the
 embedded server, this one runs the scheduler (deployments with schedules need it). While it runs,
 ``rlake run`` / ``resume`` on the same home use it instead of starting an embedded server
 (``EmbeddedServer.start``).
@@ -53,15 +56,53 @@ def healthy(url: str, timeout_s: float = 2.0) -> bool:
 
 
 def recorded_server(home: str | Path) -> dict | None:
-    """{"pid", "url"} that ``ensure_server`` recorded for this state folder, or None."""
+    """{"pid", "url", "starter"} that ``ensure_server`` recorded for this state folder, or None
+    (no "starter" in a record written before 2026-11-29)."""
     path = prefect_home(home) / STATE_FILE
     return json.loads(path.read_text()) if path.exists() else None
 
 
 def server_info(home: str | Path) -> dict | None:
-    """{"pid", "url"} of this state folder's live server, or None."""
+    """{"pid", "url", "starter"} of this state folder's live server, or None."""
     info = recorded_server(home)
     return info if info and pid_alive(int(info["pid"])) and healthy(info["url"]) else None
+
+
+def starter_gone(info: dict) -> bool:
+    """Whether the process that started a live server (``server_info``) has ended: nothing
+    will stop that server (one started before 2026-11-29, or where ``PR_SET_PDEATHSIG`` is not
+    available), so the next ``rlake serve`` takes it over and stops it when it stops."""
+    starter = info.get("starter")
+    return not isinstance(starter, int) or not pid_alive(starter)
+
+
+SERVE_LOCK = ".serve.lock"
+
+
+def lock_serve(home: str | Path):
+    """An exclusive lock on ``{home}/deployments/.serve.lock`` (the open file: closing it, or
+    the process's death, kill -9 included, releases it) for ``rlake serve``'s life; a
+    ValueError naming the holder when another serve holds it. A second serve on one home
+    shared the first one's server and, when stopped, paused every deployment (Prefect's Runner
+    pauses its deployments on stop): the first one then fired nothing (review, 2026-11-29)."""
+    import fcntl
+
+    folder = Path(home).resolve() / "deployments"
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = open(folder / SERVE_LOCK, "a+")  # noqa: SIM115 - held for serve's life; O_CLOEXEC
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip()
+        lock.close()
+        raise ValueError(f"another `rlake serve` (process {holder or '?'}) serves the home "
+                         f"{Path(home).resolve()}: one serve per home (stop that one first)") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
 
 
 def wait_until_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float,
@@ -80,7 +121,9 @@ def wait_until_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: f
 def ensure_server(home: str | Path, port: int | None = None, startup_timeout_s: float = 180.0) -> str:
     """The URL of this state folder's server, starting ``prefect server start`` if none runs.
 
-    Bound to 127.0.0.1; its log goes to ``{home}/prefect/server.log``.
+    Bound to 127.0.0.1; its log goes to ``{home}/prefect/server.log``. A server started here
+    gets SIGTERM when the thread that started it ends (``PR_SET_PDEATHSIG``; call this from the
+    thread that lives as long as the server should, the main one), and SIGTERM ends it.
     """
     info = server_info(home)
     if info:
@@ -94,8 +137,11 @@ def ensure_server(home: str | Path, port: int | None = None, startup_timeout_s: 
     def launch(chosen: int) -> subprocess.Popen:
         cmd = [str(prefect_bin), "server", "start", "--host", "127.0.0.1", "--port", str(chosen)]
         with open(phome / "server.log", "ab") as log:
+            # its own session (a terminal's Ctrl-C reaches serve alone, which stops it in
+            # order); it dies with this process (kill -9 included)
             return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=_die_with_parent)  # noqa: PLW1509
 
     def wait(proc: subprocess.Popen, chosen: int) -> None:
         wait_until_healthy(api_url(chosen), proc, phome / "server.log", startup_timeout_s, poll_s=0.5)
@@ -105,7 +151,8 @@ def ensure_server(home: str | Path, port: int | None = None, startup_timeout_s: 
     proc, chosen = ready_or_moved(launch(first), first, launch, wait, taken=exited_on_taken_port,
                                   stop=lambda proc: _stop_group(proc.pid),
                                   tries=1 if port else PORT_TRIES, name="Prefect's server")
-    (phome / STATE_FILE).write_text(json.dumps({"pid": proc.pid, "url": api_url(chosen)}))
+    (phome / STATE_FILE).write_text(json.dumps({"pid": proc.pid, "url": api_url(chosen),
+                                                "starter": os.getpid()}))
     return api_url(chosen)
 
 
