@@ -32,6 +32,7 @@ from buffer import Lake
 from flows.maintenance import lake_maintenance
 from flows.rl import rl_run
 from infra.config import ConfigError, RunConfig, check_run_id, config_differences, config_from_dict
+from infra.paths import absolute_paths
 from infra.recovery import claim_run, release_run, run_owner
 
 MAINTENANCE = "lake-maintenance"
@@ -106,47 +107,6 @@ def check_recorded_config(cfg: RunConfig, run_id: str, row: dict | None,
 
 def spec_dir(home: str | Path) -> Path:
     return Path(home).resolve() / "deployments"
-
-
-def _absolute(path: str, base: Path) -> str:
-    return str((base / os.path.expanduser(path)).resolve())
-
-
-def _absolute_data_path(spec: str, base: Path) -> str:
-    """``file.jsonl@[a:b]`` with the file's path made absolute (the row slice kept)."""
-    path, at, rows = spec.rpartition("@[")
-    if at and rows.endswith("]") and path:
-        return f"{_absolute(path, base)}@[{rows}"
-    return _absolute(spec, base)
-
-
-def absolute_paths(config: dict, base: str | Path) -> dict:
-    """``config`` (a RunConfig as a mapping) with its local paths absolute, relative ones taken
-    from ``base``: home, a local lake_uri, model.path, trainer.ref_load, data.prompt_data, every
-    eval dataset's path, rollout.sglang.log_dir, rollout.sglang.python when it names a file.
-    Function paths (``module:function``) and remote URIs are kept. A deployment's run executes
-    in ``rlake serve``'s folder: a relative home made the run's lake, MLflow store and run
-    folder there (review, 2026-11-29)."""
-    base = Path(base)
-    out = json.loads(json.dumps(config))  # a deep copy
-
-    def fix(section: dict | None, key: str, convert=_absolute) -> None:
-        if isinstance(section, dict) and isinstance(section.get(key), str) and section[key]:
-            section[key] = convert(section[key], base)
-
-    fix(out, "home")
-    if isinstance(out.get("lake_uri"), str) and "://" not in out["lake_uri"]:
-        fix(out, "lake_uri")
-    fix(out.get("model"), "path")
-    fix(out.get("trainer"), "ref_load")
-    fix(out.get("data"), "prompt_data", _absolute_data_path)
-    for dataset in (out.get("eval") or {}).get("datasets") or []:
-        fix(dataset, "path", _absolute_data_path)
-    sglang = (out.get("rollout") or {}).get("sglang")
-    fix(sglang, "log_dir")
-    if isinstance(sglang, dict) and "/" in str(sglang.get("python") or ""):
-        fix(sglang, "python")
-    return out
 
 
 def check_schedule(cron: str | None, interval: float | None) -> None:

@@ -126,7 +126,8 @@ def register(app: typer.Typer, debug: Callable[[], bool] = lambda: False) -> Non
         from infra.config import load_config
 
         loaded = load_config(config, set_ or [])
-        from flows.deployments import absolute_paths, check_recorded_config, check_schedule, save_spec
+        from flows.deployments import check_recorded_config, check_schedule, save_spec
+        from infra.paths import absolute_paths
         from infra.startup import check_new_run_id, get_run_row, open_lake
 
         check_schedule(cron, interval)  # before anything is read: --interval nan is refused at once

@@ -157,6 +157,38 @@ def check(cfg: RunConfig) -> None:
         raise StartupError(unusable)
     check_data(cfg)
     check_reward_names(cfg)
+    check_megatron_model(cfg)
+
+
+def check_megatron_model(cfg: RunConfig) -> None:
+    """What the Megatron ranks need that config load cannot know, refused before the run is
+    recorded (each rank failed at start-up with a traceback): ``model.path``'s heads, kv heads,
+    MLP width and layers split over TP and PP (``megatron_shape_problem``; config load checks
+    ``model.tiny``'s), and PP > 1 with ``device: auto`` where this machine has no CUDA (ranks
+    started here; Ray places its rank actors on the cluster's GPUs)."""
+    from infra.config import megatron_shape_problem
+
+    trainer = cfg.trainer
+    if trainer.backend != "megatron":
+        return
+    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
+        file = Path(cfg.model.path) / "config.json"
+        hf = json.loads(file.read_text())
+        heads = hf.get("num_attention_heads")
+        problem = megatron_shape_problem(
+            trainer, heads, hf.get("num_key_value_heads") or heads, hf.get("num_hidden_layers"),
+            hf.get("intermediate_size"), f"model.path {file}")
+        if problem:
+            raise StartupError(problem)
+    if (trainer.pipeline_model_parallel_size > 1 and cfg.device == "auto"
+            and cfg.cluster.ray_address is None):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise StartupError(f"trainer.pipeline_model_parallel_size="
+                               f"{trainer.pipeline_model_parallel_size} needs GPUs (megatron's "
+                               "pipeline schedules) and this machine has no CUDA device "
+                               "(device: auto): use 1 on CPU")
 
 
 def not_a_model_folder(path: str | Path) -> str | None:
@@ -343,13 +375,17 @@ def check_replay(lake, cfg: RunConfig, source_run: str, iterations: str | None,
 
 def record_run(lake, cfg: RunConfig, run_id: str) -> None:
     """The runs row, status running, before anything slow: from here a kill -9 leaves a run
-    that ``rlake resume`` continues (it reads the config from this row)."""
+    that ``rlake resume`` continues (it reads the config from this row, its local paths
+    absolute: a resume from another folder read a relative model.path or prompt file there)."""
+    from infra.paths import absolute_paths
+
     now = datetime.now(UTC)
+    config = json.dumps(absolute_paths(json.loads(cfg.model_dump_json()), Path.cwd()))
+    # read before the try: a prompt file gone since check_data is not the lake's error
+    notes = json.dumps({"pid": os.getpid(), "prompt_data": prompt_data_digest(cfg.data.prompt_data)})
     try:
-        lake.upsert_run({"run_id": run_id, "config": cfg.model_dump_json(), "status": "running",
-                         "created_at": now, "updated_at": now,
-                         "notes": json.dumps({"pid": os.getpid(),
-                                              "prompt_data": prompt_data_digest(cfg.data.prompt_data)})})
+        lake.upsert_run({"run_id": run_id, "config": config, "status": "running",
+                         "created_at": now, "updated_at": now, "notes": notes})
     except OSError as err:
         raise StartupError(f"lake_uri '{cfg.resolved_lake_uri}': {describe_os_error(err)}") from None
 

@@ -84,7 +84,8 @@ def test_deploy_records_home_and_local_paths_absolute(tmp_path):
 
 
 def test_a_run_recorded_with_relative_paths_matches_its_absolute_deployment(tmp_path):
-    """`rlake run` records its paths as given: a deployment of that run (absolute paths) is the
+    """A run recorded before 2026-11-29 has its paths as given (`rlake run` records them
+    absolute since: infra.startup.record_run): a deployment of that run (absolute paths) is the
     same config when the relative ones are read from where deploy ran."""
     recorded = RunConfig(home="h", model={"path": "m"}, data={"prompt_data": "p.jsonl"})
     row = {"config": recorded.model_dump_json(), "notes": "{}"}

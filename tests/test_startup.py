@@ -433,7 +433,7 @@ def test_a_new_run_names_its_id_before_it_is_recorded(monkeypatch):
 
     seen = []
 
-    def interrupted_start(cfg, run_id, resume):  # Ctrl-C while the run is prepared
+    def interrupted_start(cfg, run_id, resume, num_rollout=None):  # Ctrl-C while the run is prepared
         seen.append(("prepared", run_id))
         raise KeyboardInterrupt
 
@@ -443,3 +443,26 @@ def test_a_new_run_names_its_id_before_it_is_recorded(monkeypatch):
                           started=lambda run_id: seen.append(("started", run_id)))
     assert [s[0] for s in seen] == ["started", "prepared"] and seen[0][1] == seen[1][1]
     assert seen[0][1] is not None
+
+
+def test_a_run_is_recorded_with_its_local_paths_absolute(tmp_path, monkeypatch):
+    """``rlake resume`` reads the recorded config: a relative model.path or prompt file,
+    recorded as given, named files under the folder the resume ran in (review, 2026-11-29)."""
+    from buffer import Lake
+    from infra.config import RunConfig
+    from infra.startup import record_run
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "p.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    cfg = RunConfig(home="h", model={"path": "models/m"},
+                    data={"prompt_data": "data/p.jsonl@[0:8]", "task": None},
+                    rollout={"custom_rm_path": "tests.opshelp:length_reward"})
+    lake = Lake(str(tmp_path / "lake"))
+    record_run(lake, cfg, "r")
+    recorded = json.loads(lake.get_run("r")["config"])
+    assert recorded["home"] == str(tmp_path / "h")
+    assert recorded["model"]["path"] == str(tmp_path / "models" / "m")
+    assert recorded["data"]["prompt_data"] == f"{tmp_path / 'data' / 'p.jsonl'}@[0:8]"
+    assert recorded["rollout"]["custom_rm_path"] == "tests.opshelp:length_reward"
+    assert RunConfig.model_validate(recorded).num_rollout == cfg.num_rollout
