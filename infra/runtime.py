@@ -192,14 +192,15 @@ def _base_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
 
 
 def _make_engine(cfg: RunConfig, model_dir: Path, tokenizer, version: int,
-                 run_dir: Path | None = None) -> RolloutEngine:
-    """The run's rollout engine (over Ray's actors with a cluster); an SGLang engine's server
-    logs go to ``run_dir``/logs unless ``rollout.sglang.log_dir`` says where."""
+                 run_dir: Path | None = None, pool: bool = True) -> RolloutEngine:
+    """The run's rollout engine (over Ray's actors with a cluster, unless not ``pool``); an
+    SGLang engine's server logs go to ``run_dir``/logs unless ``rollout.sglang.log_dir`` says
+    where."""
     if cfg.rollout.engine == "torch":
         from rollout.torch_engine import TorchEngine, eos_token_ids
 
         device, dtype = placement(cfg.device, cfg.dtype)
-        # every eos of generation_config.json too (a chat model's end of turn), as SGLang does
+        # every eos of generation_config.json and config.json too (an end of turn), as SGLang does
         eos = eos_token_ids(model_dir, tokenizer.eos_token_id)
         build = partial(TorchEngine, str(model_dir), eos, tokenizer.pad_token_id,
                         weight_version=version, seed=cfg.seed, device=device, dtype=dtype,
@@ -209,7 +210,7 @@ def _make_engine(cfg: RunConfig, model_dir: Path, tokenizer, version: int,
 
         build = partial(SGLangEngine.from_config, cfg, str(model_dir), weight_version=version,
                         log_dir=run_dir / "logs" if run_dir is not None else None)
-    if cfg.cluster.ray_address is None:
+    if cfg.cluster.ray_address is None or not pool:
         return build()
     from rollout.ray_engines import make_engine_pool
 
@@ -339,7 +340,12 @@ def _open(cfg: RunConfig, run_id: str, resume: bool, home: Path, run_dir: Path, 
                                reference_dir=rt.checkpoint_dir(0))
     if model_dir != base:
         rt.trainer.load(str(model_dir))
-    rt.engine = _make_engine(cfg, model_dir, tokenizer, start_version, run_dir)
+    # async mode: the rollout process holds the run's engines (their Ray pool, infra/sides.py);
+    # this side's engine only evaluates, in this process (a second pool of num_engines actors
+    # needed twice the cluster, and one sized for sync mode could not place it: review,
+    # 2026-11-29)
+    rt.engine = _make_engine(cfg, model_dir, tokenizer, start_version, run_dir,
+                             pool=cfg.mode != "async")
     return rt
 
 

@@ -309,3 +309,26 @@ def test_two_engines_on_the_second_node_learn_through_an_engine_death(tmp_path, 
     one = paired_gain(lake, "ray2", 0, iterations)[0]
     assert one == pytest.approx(acc[iterations] - acc[0])  # the same problems the evals row scored
     assert_learned(lake, "ray2", 0, LATE_VERSIONS)  # >= 3 SE; 40 iterations: 0.588 -> 0.690 (Intel), 0.632 -> 0.624 (AMD)
+
+
+@pytest.mark.slow
+def test_async_mode_places_one_pool_of_engines(tmp_path, cli, cluster):
+    """Async mode: the rollout process holds the run's engine actors and the training side
+    evaluates in its own process. It built a second pool of ``num_engines`` actors for its
+    evaluations, which a cluster with room for one pool could not place (review, 2026-11-29):
+    here the engine node has room for exactly the two engines."""
+    home = tmp_path / "home"
+    args = ["run", "configs/quickstart.yaml", "--run-id", "async2"]
+    for s in [f"home={home}", "sft.steps=20", "sft.stop_at_accuracy=null", "num_rollout=3",
+              "eval.eval_interval=2", "data.held_out_size=20", "rollout.rollout_batch_size=8",
+              "mode=async", "trainer.max_staleness=1", f"cluster.ray_address={cluster['address']}",
+              "rollout.num_engines=2", f"cluster.engine_resources={{{ENGINE_RESOURCE}: 1}}",
+              "cluster.placement_timeout_s=60"]:
+        args += ["--set", s]
+    cli(args, env={"PREFECT_HOME": str(home / "prefect")})
+    lake = Lake(str(home / "lake"))
+    train = _lake_invariants(lake, "async2")
+    assert len(train) == 3 * 8 * 8
+    assert {r["engine"] for r in train} == {"ray:torch/0", "ray:torch/1"}
+    evals = lake.read("evals", run_id="async2").to_pylist()
+    assert {e["weight_version"] for e in evals if e["metric"] == "accuracy"} == {0, 2, 3}
