@@ -141,6 +141,8 @@ _SGLANG_LIMITS: dict[str, tuple[Any, Any]] = {
     "concurrency": (_positive(int), ...),
     "request_batch_size": (_positive(int), ...),
     "weight_sync": (Literal["disk", "distributed"], ...),
+    # nccl needs CUDA on both ends: refused off ``device: cuda`` (RunConfig._sglang_dist_backend)
+    "dist_backend": (Literal["gloo", "nccl"], ...),
     "pause_mode": (Literal["abort", "retract", "in_place"], ...),
     "bucket_mb": (_positive(int), ...),
     "startup_timeout_s": (_positive(float), ...),
@@ -230,6 +232,25 @@ class RolloutConfig(_Section):
 MEGATRON_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 MEGATRON_PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                            "data_parallel_size")
+
+
+def megatron_shape_problem(trainer: Any, heads: int | None, kv_heads: int | None,
+                           layers: int | None, ffn: int | None, source: str) -> str | None:
+    """Why the model ``source`` describes (its attention heads, kv heads, decoder layers and
+    MLP width; None: unknown, not checked) cannot be split over the trainer section's tensor
+    and pipeline parallel sizes, or None. Megatron shards heads, kv heads (query groups) and
+    the MLP over TP ranks and layers over PP stages: found at rank start-up, that was a
+    traceback per rank after the run was recorded."""
+    tp = int(getattr(trainer, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(trainer, "pipeline_model_parallel_size", 1) or 1)
+    for key, size, what, count in (
+            ("tensor_model_parallel_size", tp, "num_attention_heads", heads),
+            ("tensor_model_parallel_size", tp, "num_key_value_heads", kv_heads),
+            ("tensor_model_parallel_size", tp, "intermediate_size", ffn),
+            ("pipeline_model_parallel_size", pp, "num_hidden_layers", layers)):
+        if count is not None and int(count) % size:
+            return (f"trainer.{key}={size} must divide the model's {what} ({count}, {source})")
+    return None
 
 
 def megatron_world_size(trainer: Any) -> int:
@@ -460,6 +481,34 @@ class RunConfig(_Section):
             raise ValueError(f"trainer.advantage_estimator '{trainer.advantage_estimator}' is not "
                              "supported by trainer.backend 'megatron' (it has no critic): use "
                              f"{', '.join(MEGATRON_ESTIMATORS)} (the torch backend has 'ppo')")
+        if trainer.pipeline_model_parallel_size > 1 and self.device == "cpu":
+            # device auto on a machine without CUDA: infra/startup.py check_megatron_model
+            raise ValueError(f"trainer.pipeline_model_parallel_size="
+                             f"{trainer.pipeline_model_parallel_size} needs GPUs (megatron's "
+                             "pipeline schedules) and device is 'cpu': use 1 on CPU")
+        if self.model.path is None:  # the tiny model: its shape is known here (model.path's
+            tiny = self.model.tiny   # is read from its config.json at start-up)
+            problem = megatron_shape_problem(trainer, tiny.num_attention_heads,
+                                             tiny.num_key_value_heads, tiny.num_hidden_layers,
+                                             tiny.intermediate_size, "model.tiny")
+            if problem:
+                raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _sglang_dist_backend(self) -> RunConfig:
+        """``rollout.sglang.dist_backend: nccl`` broadcasts CUDA tensors from the trainer to
+        CUDA servers: off ``device: cuda`` it failed only when the first sync began (after the
+        SFT warm-up and a server's start), without the key."""
+        sg = self.rollout.sglang
+        if (self.rollout.engine != "sglang" or sg.weight_sync != "distributed"
+                or sg.dist_backend != "nccl"):
+            return self
+        if self.device != "cuda" or (sg.device or self.device) != "cuda":
+            where = (f"rollout.sglang.device is '{sg.device}'" if sg.device not in (None, "cuda")
+                     else f"device is '{self.device}'")
+            raise ValueError("rollout.sglang.dist_backend 'nccl' (weight_sync: distributed) needs "
+                             f"device: cuda, and {where}: use dist_backend 'gloo' off CUDA")
         return self
 
     @model_validator(mode="after")

@@ -67,10 +67,18 @@ def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
 
 
 def eos_token_ids(model_dir: str | Path, tokenizer_eos: int | None) -> tuple[int, ...]:
-    """Every id that ends a response: the tokenizer's eos, then generation_config.json's (in
-    order, without repeats)."""
+    """Every id that ends a response: the tokenizer's eos, then generation_config.json's, then
+    config.json's ``eos_token_id`` (an int or a list; in order, without repeats). SGLang stops
+    on config.json's too (and transformers' generation defaults come from it without a
+    generation_config.json): one folder gives both engines the same stop ids."""
+    file = Path(model_dir) / "config.json"
+    value = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+    model_ids = [] if value is None else [value] if isinstance(value, int) else value
+    if not isinstance(model_ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in model_ids):
+        raise ValueError(f"{file}: eos_token_id must be an int or a list of ints, got {value!r}")
     ids = ([] if tokenizer_eos is None else [tokenizer_eos]) + list(generation_eos_ids(model_dir))
-    return tuple(dict.fromkeys(ids))
+    return tuple(dict.fromkeys(ids + model_ids))
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +112,7 @@ class TorchEngine:
     copies a trainer's tensors into the engine's own (device to device, casting if needed).
     With ``cuda_graph`` (``rollout.cuda_graph``, on by default in a run's config) the decode
     step on CUDA is replayed as a CUDA graph (rollout/cuda_graph.py). ``eos_token_id`` is one id
-    or several (``eos_token_ids``: the tokenizer's and generation_config.json's); a response
+    or several (``eos_token_ids``: the tokenizer's, generation_config.json's, config.json's); a response
     ends at the first of any of them (included, finish reason ``stop``)."""
 
     name = "torch"

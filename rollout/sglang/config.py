@@ -15,9 +15,10 @@ class SGLangConfig:
     ``num_servers`` servers from the SGLang environment (``python``, default ``.venv-sglang``).
     ``router``: put an sglang-router in front for generation (admin calls still go to every
     worker). ``weight_sync``: ``disk`` (workers read the checkpoint) or ``distributed``
-    (broadcast over ``dist_backend``). ``pause_mode``: what ``pause_generation`` does to
-    in-flight requests during a weight update (``abort``: they are re-issued afterwards, so a
-    sample never mixes weight versions; ``retract``/``in_place``: they resume on new weights).
+    (broadcast over ``dist_backend``: gloo, or nccl with ``device: cuda`` only).
+    ``pause_mode``: what ``pause_generation`` does to in-flight requests during a weight update
+    (``abort``: they are re-issued afterwards, so a sample never mixes weight versions;
+    ``retract``/``in_place``: they resume on new weights).
     ``request_batch_size``: prompts per ``/generate`` call (SGLang's batch form; 1 = one call
     per sample, as slime sends them), at most ``concurrency`` calls in flight. On CPU the
     per-call cost dominates: 256 quickstart samples took 2.0-2.4 s one call each, 0.65 s in
@@ -48,6 +49,8 @@ class SGLangConfig:
     def __post_init__(self) -> None:
         if self.weight_sync not in ("disk", "distributed"):
             raise ValueError(f"rollout.sglang.weight_sync: {self.weight_sync!r} is not disk|distributed")
+        if self.dist_backend not in ("gloo", "nccl"):
+            raise ValueError(f"rollout.sglang.dist_backend: {self.dist_backend!r} is not gloo|nccl")
         if self.pause_mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"rollout.sglang.pause_mode: {self.pause_mode!r} is not abort|retract|in_place")
         if not self.urls and self.num_servers < 1:

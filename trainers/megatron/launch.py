@@ -10,18 +10,27 @@ ranks as Ray actors instead (trainers/megatron/ray_ranks.py).
 
 Under ``torchrun`` (WORLD_SIZE set in the environment) build ``MegatronTrainer`` directly in
 every rank instead: ``init_distributed`` reads the torchrun environment.
+
+A rank process dies with the process that started it (``PR_SET_PDEATHSIG``, as the async
+rollout process: ``infra.spawned.die_with_parent``): after a ``kill -9`` of the run no rank
+(~540 MB each) is left waiting on its inbox. The signal follows the *thread* that started the
+child, so the ranks are started from one thread that lives as long as this process
+(``_start_lasting``), not from whichever thread built the trainer; a rank also checks its
+parent's pid while it waits for a call (a last guard where prctl is not available).
 """
 
 from __future__ import annotations
 
 import os
 import queue
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
 from infra.config import megatron_world_size
+from infra.spawned import die_with_parent
 from trainers.megatron.ranks import (
     Answer,
     MegatronRanks,
@@ -31,17 +40,44 @@ from trainers.megatron.ranks import (
     start_rank,
 )
 
+PARENT_CHECK_S = 1.0  # how often a waiting rank looks whether its driver is still there
+_launcher: tuple[int, ThreadPoolExecutor] | None = None  # (pid, its thread): _start_lasting
+
+
+def _start_lasting(procs: list[Any]) -> None:
+    """``p.start()`` for each of ``procs`` from one thread that lives as long as this process:
+    PR_SET_PDEATHSIG fires when the *thread* that started a child ends (infra/spawned.py,
+    ``launch_lasting``), and a trainer may be built from a step's short-lived thread."""
+    global _launcher
+    if _launcher is None or _launcher[0] != os.getpid():
+        _launcher = (os.getpid(), ThreadPoolExecutor(max_workers=1,
+                                                     thread_name_prefix="rlake-megatron-ranks"))
+    _launcher[1].submit(lambda: [p.start() for p in procs]).result()
+
+
+def _next_message(inbox: Any, parent_pid: int) -> Any:
+    """The next call from the driver; ``None`` (close) once the driver is gone."""
+    while True:
+        try:
+            return inbox.get(timeout=PARENT_CHECK_S)
+        except queue.Empty:
+            if os.getppid() != parent_pid:
+                return None
+
 
 def _worker(rank: int, world: int, port: int, threads: int, config: Any, model_dir: str,
-            kwargs: dict[str, Any], inbox: Any, outbox: Any) -> None:
+            kwargs: dict[str, Any], inbox: Any, outbox: Any, parent_pid: int) -> None:
+    die_with_parent(parent_pid)  # SIGKILL when the driver dies (kill -9 too)
     os.environ.update(rank_environment(rank, world, rank, "127.0.0.1", port))
     torch.set_num_threads(threads)
     server, answer = start_rank(rank, config, model_dir, kwargs)
     outbox.put((rank, answer))
     if server is None:
         return  # the driver raises
-    while (msg := inbox.get()) is not None:
+    while (msg := _next_message(inbox, parent_pid)) is not None:
         outbox.put((rank, server.handle(*msg)))
+    if os.getppid() != parent_pid:
+        os._exit(1)  # the driver is gone: no peer to close the process group with
     server.close()
 
 
@@ -64,9 +100,8 @@ class ProcessRanks:
         self._outbox = ctx.Queue()
         self._procs = [ctx.Process(target=_worker, daemon=True, args=(
             r, self.world, port, threads, config, model_dir, kwargs, self._inboxes[r],
-            self._outbox)) for r in range(self.world)]
-        for p in self._procs:
-            p.start()
+            self._outbox, os.getpid())) for r in range(self.world)]
+        _start_lasting(self._procs)
         return self._gather(timeout_s)
 
     def call(self, name: str, args: tuple, timeout_s: float | None) -> list[Answer]:

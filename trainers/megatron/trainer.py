@@ -290,8 +290,10 @@ class MegatronTrainer:
         return torch.device("cuda", torch.cuda.current_device()) if self.on_gpu \
             else torch.device("cpu")
 
-    def _step_plan(self, n: int) -> tuple[int, int]:
-        step = min(int(self.cfg.global_batch_size), n)
+    def _step_plan(self, n: int, one_step: bool = False) -> tuple[int, int]:
+        """(samples per optimizer step, per micro-batch): ``global_batch_size`` per step, or
+        the whole batch in one step (``one_step``: SFT); ``micro_batch_size`` either way."""
+        step = n if one_step else min(int(self.cfg.global_batch_size), n)
         micro = min(int(self.cfg.micro_batch_size), step)
         return step, micro
 
@@ -344,14 +346,16 @@ class MegatronTrainer:
         return alg.compute_approx_kl(old_logp, ref_logp,
                                      cfg_get(self.cfg, "kl_loss_type", "low_var_kl"))
 
-    def _optimize(self, pb: PaddedBatch, loss_from_logits, agg: str) -> dict[str, float]:
-        """Optimizer steps over the batch; ``loss_from_logits(idx, logits)`` -> (loss, metrics)
+    def _optimize(self, pb: PaddedBatch, loss_from_logits, agg: str,
+                  one_step: bool = False) -> dict[str, float]:
+        """Optimizer steps over the batch (``global_batch_size`` samples each, or one step of the
+        whole batch with ``one_step``); ``loss_from_logits(idx, logits)`` -> (loss, metrics)
         of micro-batch ``idx``, aggregated by ``agg`` (sample_mean | token_mean). Each
         micro-batch loss is weighted by its share of the step (``trainers.losses.micro_weight``:
         samples for sample_mean, tokens for token_mean), so the step's gradient is that of the
         whole step's loss (summed over DP ranks), whatever micro_batch_size is."""
         n = pb.input_ids.shape[0]
-        step, micro = self._step_plan(n)
+        step, micro = self._step_plan(n, one_step)
         if self.on_gpu:  # UNTESTED here (no GPU)
             from trainers.megatron import gpu
             return gpu.optimize(self, pb, step, micro, loss_from_logits, agg)
@@ -389,8 +393,10 @@ class MegatronTrainer:
 
     # ---- SFT ----
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
-        """Steps of  -mean_t log pi(y_t | x, y_<t)  over masked response tokens (temperature 1,
-        aggregation ``token_mean`` over each step's tokens), the torch trainer's SFT loss."""
+        """One optimizer step of  -mean_t log pi(y_t | x, y_<t)  over masked response tokens
+        (temperature 1, aggregation ``token_mean`` over the batch's tokens), as the torch
+        trainer's: the SFT batch is one step whatever ``global_batch_size`` (the RL step size)
+        is, still run as micro-batches of ``micro_batch_size``."""
         pb = pad_batch(batch, self.pad_token_id).to(self._device)
         saved_t, self.temperature = self.temperature, 1.0
         try:
@@ -400,7 +406,8 @@ class MegatronTrainer:
                 logp, _ = self.logprobs_from_logits(logits, sub)
                 loss = alg.sft_loss(logp, sub.mask, "token_mean")
                 return loss, {"sft_loss": float(loss.detach())}
-            return self._from_last_stage(self._optimize(pb, loss_from_logits, "token_mean"))
+            return self._from_last_stage(self._optimize(pb, loss_from_logits, "token_mean",
+                                                        one_step=True))
         finally:
             self.temperature = saved_t
 
