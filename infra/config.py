@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_type_hints
@@ -379,6 +380,10 @@ class EvalConfig(_Section):
         return self
 
 
+# HOST:PORT or ray://HOST:PORT (an IPv6 host in brackets)
+RAY_ADDRESS = re.compile(r"^(ray://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(?P<port>\d{1,5})$")
+
+
 class ClusterConfig(_Section):
     """Ray (docs/cluster.md). ``ray_address``: null = no Ray at all; ``local`` = start one on
     127.0.0.1; anything else = join that cluster (``HOST:PORT`` or ``ray://HOST:PORT``)."""
@@ -403,8 +408,25 @@ class ClusterConfig(_Section):
     @field_validator("ray_address")
     @classmethod
     def _address(cls, value: str | None) -> str | None:
-        if value is not None and not value.strip():
-            raise ValueError("must be null (no Ray), 'local', or a cluster address HOST:PORT")
+        # Ray's own "Invalid address format: foo" came only after the run was recorded
+        # (review, 2026-11-29)
+        if value is None or value == "local":
+            return value
+        found = RAY_ADDRESS.match(value)
+        if found is None or not 1 <= int(found.group("port")) <= 65535:
+            raise ValueError("must be null (no Ray), 'local', or a cluster address HOST:PORT "
+                             "(or ray://HOST:PORT)")
+        return value
+
+    @field_validator("engine_resources")
+    @classmethod
+    def _custom_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in ("CPU", "GPU"):
+                raise ValueError(f"{name!r} is not a custom resource: set rollout.num_cpus_per_engine "
+                                 "/ rollout.rollout_num_gpus_per_engine")
+            if not math.isfinite(amount) or amount < 0:
+                raise ValueError(f"{name!r}: {amount} is not a non-negative amount")
         return value
 
 
@@ -516,6 +538,21 @@ class RunConfig(_Section):
         if self.rollout.num_engines > 1 and self.cluster.ray_address is None:
             raise ValueError(f"rollout.num_engines={self.rollout.num_engines} needs Ray: set "
                              "cluster.ray_address to 'local' or a cluster address (or num_engines: 1)")
+        return self
+
+    @model_validator(mode="after")
+    def _ray_bundles_hold_something(self) -> RunConfig:
+        """With Ray, each actor's bundle asks for some resource: an empty one failed at start,
+        in Ray's words ("Bundles cannot be an empty dictionary"), after the run was recorded."""
+        r, c = self.rollout, self.cluster
+        if c.ray_address is None:
+            return self
+        if r.num_cpus_per_engine + r.rollout_num_gpus_per_engine + sum(c.engine_resources.values()) <= 0:
+            raise ValueError("with Ray, an engine actor needs some resource: rollout.num_cpus_per_engine, "
+                             "rollout.rollout_num_gpus_per_engine or cluster.engine_resources > 0")
+        if c.trainer_on_ray and c.trainer_num_cpus + c.trainer_num_gpus <= 0:
+            raise ValueError("with Ray, the trainer actor needs some resource: cluster.trainer_num_cpus "
+                             "or cluster.trainer_num_gpus > 0 (or cluster.trainer_on_ray: false)")
         return self
 
     @model_validator(mode="after")

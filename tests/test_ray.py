@@ -80,6 +80,32 @@ def test_config_keys_and_errors():
     assert load_config(None).cluster.ray_address is None
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["cluster.ray_address=foo"], r"'cluster.ray_address': must be null \(no Ray\), 'local', or a cluster address HOST:PORT"),
+    (["cluster.ray_address=LOCAL"], r"'cluster.ray_address'"),
+    (["cluster.ray_address=127.0.0.1"], r"'cluster.ray_address'"),
+    (["cluster.ray_address=10.0.0.1:70000"], r"'cluster.ray_address'"),
+    (["cluster.ray_address=local", "cluster.trainer_num_cpus=0"], r"the trainer actor needs some resource: cluster.trainer_num_cpus"),
+    (["cluster.ray_address=local", "rollout.num_cpus_per_engine=0"], r"an engine actor needs some resource: rollout.num_cpus_per_engine"),
+    (["cluster.ray_address=local", "cluster.engine_resources={x: -1}"], r"'cluster.engine_resources': 'x': -1.0 is not a non-negative amount"),
+    (["cluster.ray_address=local", "cluster.engine_resources={CPU: 1}"], r"'CPU' is not a custom resource: set rollout.num_cpus_per_engine"),
+])
+def test_cluster_values_ray_cannot_take_are_refused_naming_the_key(overrides, message):
+    """Each was accepted and failed at start, after the run was recorded, in Ray's words
+    ("Invalid address format", "Bundles cannot be an empty dictionary", ...: review, 2026-11-29)."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_cluster_addresses_ray_takes_are_accepted():
+    for address in ("local", "10.0.0.1:6379", "head.example.org:6379", "ray://10.0.0.1:10001"):
+        assert load_config(None, [f"cluster.ray_address={address}"]).cluster.ray_address == address
+    cfg = load_config(None, ["cluster.ray_address=local", "rollout.num_cpus_per_engine=0",
+                             "cluster.engine_resources={gpu_box: 1}", "cluster.trainer_on_ray=false",
+                             "cluster.trainer_num_cpus=0"])
+    assert cfg.rollout.num_cpus_per_engine == 0 and cfg.cluster.trainer_num_cpus == 0
+
+
 def test_no_ray_by_default(tiny):
     """ray_address null: engine and trainer are built in process, and Ray is never imported."""
     path, _ = tiny
