@@ -13,11 +13,18 @@ started by ``ray.init`` (``ray start``, ``ray.cluster_utils.Cluster``) also send
 disabled" note to usage-stats.ray.io; ``RAY_USAGE_STATS_REPORT_URL`` points that at 127.0.0.1.
 Both must hold before any Ray process starts: ``prepare_ray`` does it, and every start goes
 through it.
+
+Joining a cluster (an address): ``connect`` first checks that something answers at HOST:PORT
+(``probe_address``; Ray itself would retry for ~14 minutes), then asks the cluster whether it
+wants a Ray auth token and runs the client in token-auth mode when it does (``client_auth_mode``):
+``ray start --head`` turns token auth on by itself when a token file exists, ``ray.init(address)``
+never does.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +42,8 @@ RAY_ENV = {
     "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/",  # discard port: the note goes nowhere
 }
 NAMESPACE = "rlake"
+PROBE_TIMEOUT_S = 10.0  # connect(): how long HOST:PORT may take to accept a TCP connection
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 
 def bootstrap_path() -> Path:
@@ -135,11 +144,146 @@ def required_cpus(cfg: RunConfig) -> int:
     return int(-(-(r.num_engines * r.num_cpus_per_engine + trainer) // 1))
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``ray://HOST:PORT`` (IPv6 as ``[::1]:PORT``) -> (host, port); a
+    ``ValueError`` naming ``cluster.ray_address`` for anything else."""
+    rest = address.strip().removeprefix("ray://").split("/", 1)[0]
+    host, sep, port = rest.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"cluster.ray_address={address!r}: expected HOST:PORT or ray://HOST:PORT "
+                         "(or 'local')")
+    return host, int(port)
+
+
+def probe_address(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Raise ``ConnectionError`` (one line, naming ``cluster.ray_address``) when nothing accepts
+    a TCP connection at the address's HOST:PORT within ``timeout_s``. Ray's own join would retry
+    for ~14 minutes (20 x ~41 s) before failing."""
+    host, port = split_address(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as err:
+        reason = (f"no answer within {timeout_s:g} s" if isinstance(err, TimeoutError)
+                  else err.strerror or str(err))
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise ConnectionError(f"cluster.ray_address={address}: nothing answers at {where} "
+                              f"({reason}); start the cluster first (ray start "
+                              "--head --port=PORT, docs/cluster.md) or fix the address") from None
+
+
+def default_token_path() -> Path:
+    """Where Ray looks for its auth token when neither RAY_AUTH_TOKEN nor RAY_AUTH_TOKEN_PATH is
+    set: ``~/.ray/auth_token`` (``authentication_token_setup._get_default_token_path``)."""
+    return Path.home() / ".ray" / "auth_token"
+
+
+def cluster_wants_token(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool | None:
+    """Ask the GCS at ``HOST:PORT`` (``GetClusterId``, sent without a token): True when it
+    answers UNAUTHENTICATED (token auth on), False when it answers, None when it cannot tell
+    (a ``ray://`` client-server address, no gRPC answer)."""
+    if address.startswith("ray://"):
+        return None
+    try:
+        import grpc
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:
+        return None
+    host, port = split_address(address)
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    with grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)]) as channel:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        try:
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)
+        except grpc.RpcError as err:
+            return True if err.code() == grpc.StatusCode.UNAUTHENTICATED else None
+    return False
+
+
+def token_available() -> bool:
+    """Whether Ray would find an auth token here: Ray's own loader when it can be asked
+    (``AuthenticationTokenLoader.has_token(ignore_auth_mode=True)``: RAY_AUTH_TOKEN,
+    RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), else the same three places by hand."""
+    try:
+        from ray._raylet import AuthenticationTokenLoader
+
+        loader = AuthenticationTokenLoader.instance()
+        loader.reset_cache()  # HOME or the variables may have changed since it last looked
+        return bool(loader.has_token(ignore_auth_mode=True))
+    except (ImportError, AttributeError, TypeError):
+        if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+            return True
+        custom = os.environ.get("RAY_AUTH_TOKEN_PATH")
+        return Path(custom).is_file() if custom else default_token_path().is_file()
+
+
+def client_auth_mode(address: str) -> str | None:
+    """``RAY_AUTH_MODE`` for joining ``address``: a value the user set wins; else ``token`` when
+    the cluster wants a token (``cluster_wants_token``), set in the environment (Ray reads it
+    there) and returned; else unset (None). ``ray start --head`` turns token auth on by itself
+    when ``RAY_AUTH_MODE`` is unset and a token is at hand (``~/.ray/auth_token``, which any
+    ``ray_address: local`` run writes: Ray's ``maybe_enable_token_auth_if_token_available``), but
+    ``ray.init(address=...)`` never does, so without this the client is refused. The cluster is
+    asked rather than the file looked at: one started otherwise (``RAY_AUTH_MODE=disabled``,
+    ``ray.cluster_utils.Cluster``) has no token auth even where a token file exists, and a
+    token-mode client there broke tests/test_ray.py's runs (their trainer actor died)."""
+    if AUTH_MODE_ENV in os.environ:
+        return os.environ[AUTH_MODE_ENV]
+    if not cluster_wants_token(address):
+        return None
+    os.environ[AUTH_MODE_ENV] = "token"
+    try:  # Ray caches its config (the auth mode among it): refresh it, as Ray itself does
+        from ray._raylet import Config
+
+        Config.initialize("")
+    except (ImportError, AttributeError):
+        pass
+    return "token"
+
+
+def _auth_failure(err: BaseException) -> bool:
+    """Whether ``ray.init``'s error (or one it was raised from) is the cluster refusing our token."""
+    seen: BaseException | None = err
+    for _ in range(10):
+        if seen is None:
+            return False
+        if type(seen).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _join(address: str) -> None:
+    """``ray.init(address)`` for an existing cluster: probe first, client auth as the head's,
+    and a refused token as one line saying what to set."""
+    import ray
+
+    if address != "auto":  # "auto": Ray finds a cluster started on this machine itself
+        probe_address(address)
+    mode = client_auth_mode(address)
+    try:
+        ray.init(address=address, namespace=NAMESPACE, logging_level="WARNING")
+    except Exception as err:
+        if not _auth_failure(err):
+            raise
+        ray.shutdown()
+        have = "a token" if token_available() else "no token"
+        raise ConnectionError(
+            f"cluster.ray_address={address}: the cluster wants a Ray auth token this client lacks "
+            f"or does not match (InvalidAuthToken; RAY_AUTH_MODE={mode or 'unset'}, {have} here): "
+            f"export RAY_AUTH_MODE=token and give this machine the cluster's token "
+            f"(~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN), as on every node "
+            f"(docs/cluster.md)") from None
+
+
 def connect(cfg_cluster: ClusterConfig, user: str, num_cpus: int | None = None) -> RayConnection:
     """Start (``local``) or join (an address) Ray once per process; every user ``release``s.
 
     ``local`` listens on 127.0.0.1 only and offers ``max(cpu count, num_cpus)`` logical CPUs
-    (logical: engines and trainer can share cores on a small machine)."""
+    (logical: engines and trainer can share cores on a small machine). An address is probed
+    first (nothing answering: one ``ConnectionError`` within ``PROBE_TIMEOUT_S``, never Ray's
+    ~14-minute retry) and joined in token-auth mode when a token is at hand (``_join``)."""
     if cfg_cluster.ray_address is None:
         raise ValueError("cluster.ray_address is null: this run does not use Ray")
     current = _CONNECTION.get("current")
@@ -158,7 +302,7 @@ def connect(cfg_cluster: ClusterConfig, user: str, num_cpus: int | None = None) 
                  logging_level="WARNING", configure_logging=True)
         conn = RayConnection(address="local", owns_init=True, users=[user])
     else:
-        ray.init(address=cfg_cluster.ray_address, namespace=NAMESPACE, logging_level="WARNING")
+        _join(cfg_cluster.ray_address)
         conn = RayConnection(address=cfg_cluster.ray_address, owns_init=True, users=[user])
     _CONNECTION["current"] = conn
     return conn

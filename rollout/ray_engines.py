@@ -15,6 +15,13 @@ Faults: engine actors restart (``max_restarts``) when their process dies. The sh
 that died is split over the other live engines (by group again) and re-sent, so each prompt is
 answered exactly once; a restarted engine gets the current weights before its next call.
 
+Timeouts: every wait on an engine is bounded by ``cluster.engine_call_timeout_s`` (a generate
+call, a weight hand-off, a version query, a restarted engine's weights; an engine's start-up,
+i.e. building its model, counts as one call too). An engine that does not answer in time (a hung
+process is not a dead one: Ray does not restart it) fails the call with one ``TimeoutError``
+naming the engine and the key; the pool never waits forever. A hand-off that timed out leaves
+the engine stale (it gets the weights again before it serves) and the pool's version unchanged.
+
 Seeds: a call draws one base seed from ``generator`` (reseeded per iteration by the runtime) or
 takes ``sampling.seed``; engine k samples with ``engine_seed(base, k, attempt)``. A run is thus
 reproducible for a given number of engines when no engine dies; a re-sent share is sampled
@@ -134,20 +141,58 @@ class RayEnginePool:
             max_restarts=cluster.max_engine_restarts, max_task_retries=0, **env)).remote(k, self.names[k], build)
             for k in range(num_engines)]
         self.alive = [True] * num_engines
-        self.placement = ray.get([a.ready.remote() for a in self.actors])
+        try:
+            self.placement = self._gather({k: a.ready.remote() for k, a in enumerate(self.actors)},
+                                          "start-up (building its engine)")
+        except BaseException:
+            self.shutdown()  # no half-started pool: its actors and placement group go too
+            raise
 
     @property
     def weight_version(self) -> int:
         return self._version
 
-    def engine_versions(self) -> list[int | None]:
-        """The weight version each engine serves now (None: dead)."""
+    def _timeout_error(self, keys: list[int], what: str) -> TimeoutError:
+        names = ", ".join(self.names[k] for k in keys)
+        return TimeoutError(f"{names}: no answer to {what} within "
+                            f"cluster.engine_call_timeout_s={self.cluster.engine_call_timeout_s:g}")
+
+    def _get(self, k: int, ref: Any, what: str, deadline: float | None = None) -> Any:
+        """``ray.get`` of engine ``k``'s call, bounded by ``cluster.engine_call_timeout_s`` (or what
+        is left of ``deadline``); past it one ``TimeoutError`` naming the engine and the key.
+        ``RayActorError`` (the engine died) passes through."""
         import ray
 
+        if deadline is None:
+            deadline = time.monotonic() + self.cluster.engine_call_timeout_s
+        try:
+            return ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+        except ray.exceptions.GetTimeoutError:
+            raise self._timeout_error([k], what) from None
+
+    def _gather(self, refs: dict[int, Any], what: str) -> list[Any]:
+        """Every answer of ``refs`` (engine -> ref) within one ``engine_call_timeout_s``; a
+        ``TimeoutError`` naming every engine that did not answer."""
+        import ray
+
+        ready, pending = ray.wait(list(refs.values()), num_returns=len(refs),
+                                  timeout=self.cluster.engine_call_timeout_s)
+        if pending:
+            late = set(pending)
+            raise self._timeout_error([k for k, r in refs.items() if r in late], what)
+        return ray.get(list(refs.values()))
+
+    def engine_versions(self) -> list[int | None]:
+        """The weight version each engine serves now (None: dead); an engine that does not
+        answer within ``cluster.engine_call_timeout_s`` raises ``TimeoutError``."""
+        import ray
+
+        refs = {k: a.weight_version.remote() for k, a in enumerate(self.actors) if self.alive[k]}
+        deadline = time.monotonic() + self.cluster.engine_call_timeout_s
         out: list[int | None] = []
-        for k, a in enumerate(self.actors):
+        for k in range(len(self.actors)):
             try:
-                out.append(ray.get(a.weight_version.remote()) if self.alive[k] else None)
+                out.append(self._get(k, refs[k], "weight_version", deadline) if k in refs else None)
             except ray.exceptions.RayActorError:
                 out.append(None)
         return out
@@ -163,13 +208,24 @@ class RayEnginePool:
         import ray
 
         refs = {k: self._push(k) for k in self.live()}
+        what = self._handoff_name()
+        deadline = time.monotonic() + self.cluster.engine_call_timeout_s
         for k, ref in refs.items():
             try:
-                ray.get(ref)
+                self._get(k, ref, what, deadline)
                 self._stale.discard(k)
             except ray.exceptions.RayActorError:
                 self._stale.add(k)  # it restarts with its first weights: resent before its next call
+            except TimeoutError:
+                # a hung engine: the hand-off fails (as a generate call past the timeout does);
+                # it and those not yet confirmed get the weights again before they serve
+                self._stale.update(j for j in refs if j >= k)
+                raise
         self._version = self._weights[2]
+
+    def _handoff_name(self) -> str:
+        kind, _, version = self._weights
+        return f"{'load_state_dict' if kind == 'state' else 'update_weights'} (weight_version {version})"
 
     def _push(self, k: int) -> Any:
         kind, payload, version = self._weights
@@ -205,8 +261,7 @@ class RayEnginePool:
             ready, _ = ray.wait(list(inflight), num_returns=1,
                                 timeout=self.cluster.engine_call_timeout_s)
             if not ready:
-                raise TimeoutError(f"{self.name}: no engine answered within "
-                                   f"cluster.engine_call_timeout_s={self.cluster.engine_call_timeout_s}")
+                raise self._timeout_error(sorted({v[0] for v in inflight.values()}), "generate")
             k, a, b, attempt = inflight.pop(ready[0])
             try:
                 results[a:b] = ray.get(ready[0])
@@ -219,15 +274,17 @@ class RayEnginePool:
     def _revive(self, k: int) -> bool:
         """Wait for a failed engine's restart (calls to an actor Ray is restarting fail), then
         give it the current weights; False (and the engine is out) if it does not come back
-        within ``cluster.placement_timeout_s``."""
+        within ``cluster.placement_timeout_s``. An engine that is back but does not take the
+        weights within ``cluster.engine_call_timeout_s`` raises ``TimeoutError`` (it stays stale)."""
         import ray
 
         deadline = time.monotonic() + self.cluster.placement_timeout_s
         while time.monotonic() < deadline:
             try:
-                ray.get(self.actors[k].ready.remote(), timeout=self.cluster.placement_timeout_s)
+                ray.get(self.actors[k].ready.remote(),
+                        timeout=max(0.0, deadline - time.monotonic()))
                 if self._weights is not None:
-                    ray.get(self._push(k))
+                    self._get(k, self._push(k), self._handoff_name())
                 self._stale.discard(k)
                 return True
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):

@@ -33,7 +33,7 @@ def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: float =
 
 # Test files that start Ray share one xdist worker: two local Ray clusters at once on 2 cores
 # only slow each other down, and each would see the other's processes.
-RAY_FILES = frozenset({"test_ray.py", "test_megatron_ray.py"})
+RAY_FILES = frozenset({"test_ray.py", "test_megatron_ray.py", "test_ray_fixes.py"})
 # The SGLang server files share one worker too: two server sets up at once on 2 cores only slow
 # each other down.
 SGLANG_FILES = frozenset({"test_sglang_server.py", "test_sglang_quickstart.py"})
