@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra import startup
+from infra import checks as startup
 from infra.config import ConfigError, TrainerConfig, load_config
 from rollout.sglang.config import SGLangConfig
 from rollout.torch_engine import eos_token_ids
