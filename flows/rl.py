@@ -113,7 +113,7 @@ def sync_iteration(rt: Runtime, iteration: int) -> dict[str, float]:
             landed(rt, written.result)
     stats = {**rollout_metrics(samples, timings["generate"]), "rollout/failed": float(failed),
              **rollout_stats}
-    evaluating = bool(rt.eval_sets) and eval_due(rt, iteration + 1, rt.cfg.num_rollout)
+    evaluating = eval_due(rt, iteration + 1, rt.cfg.num_rollout)
     metrics = train_and_commit(rt, iteration, base_version, stats, timings, read_slice,
                                behind=commits_behind(rt, iteration, evaluating))
     timings["total"] = time.perf_counter() - start
@@ -167,8 +167,8 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
                     else:
                         publish_weights(rt, 0)
                     register_version(rt, 0, None, None, 0)
-                if rt.eval_sets and eval_due(rt, rt.start_iteration, rt.cfg.num_rollout) and \
-                        not has_eval(rt, rt.trainer.weight_version):  # eval.datasets: [] = none
+                if eval_due(rt, rt.start_iteration, rt.cfg.num_rollout) and \
+                        not has_eval(rt, rt.trainer.weight_version):
                     acc = evaluate(rt, rt.start_iteration)["accuracy"]
                     reporter("eval", {"iteration": rt.start_iteration, "accuracy": acc})
                 reporter("rl_start", {"start": rt.start_iteration, "total": rt.cfg.num_rollout})

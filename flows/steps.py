@@ -134,7 +134,11 @@ def train_and_commit(rt: Runtime, iteration: int, base_version: int, rollout_sta
 
 
 def eval_due(rt: Runtime, done: int, total: int) -> bool:
-    """After ``done`` of ``total`` iterations: at the start, every ``eval_interval``, at the end."""
+    """After ``done`` of ``total`` iterations: at the start, every ``eval_interval``, at the end;
+    never without an eval set (``eval.datasets: []``: async mode handed its weights to the
+    evaluation engine for nothing at each point)."""
+    if not rt.eval_sets:
+        return False
     return done == 0 or done % rt.cfg.eval.eval_interval == 0 or done == total
 
 

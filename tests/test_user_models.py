@@ -259,3 +259,19 @@ def test_checkpoint_config_dtype_is_the_weights_dtype(trainer_checkpoint):
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
     assert json.loads((trainer_checkpoint / "config.json").read_text())["dtype"] == "float32"
     assert AutoModelForCausalLM.from_pretrained(trainer_checkpoint).dtype == torch.float32
+
+
+def test_no_evaluation_is_ever_due_without_an_eval_set():
+    """``eval_due`` said yes at the start, every eval_interval and at the end even with no eval
+    set: async mode handed its weights to the evaluation engine for nothing there, and sync
+    mode held an iteration's commit in line for an evaluation that did nothing."""
+    from types import SimpleNamespace
+
+    from flows.steps import eval_due
+    from infra.config import RunConfig
+
+    cfg = RunConfig(eval={"eval_interval": 2})
+    with_sets = SimpleNamespace(cfg=cfg, eval_sets=["held_out"])
+    assert [eval_due(with_sets, done, 5) for done in range(6)] == [True, False, True, False, True, True]
+    without = SimpleNamespace(cfg=cfg, eval_sets=[])
+    assert not any(eval_due(without, done, 5) for done in range(6))
