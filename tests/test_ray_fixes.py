@@ -222,18 +222,22 @@ def local_ray():
         ray.shutdown()
 
 
-def _cluster(**kw) -> ClusterConfig:
-    return ClusterConfig(ray_address="local", engine_call_timeout_s=TIMEOUT_S,
+def _cluster(timeout_s: float = TIMEOUT_S, **kw) -> ClusterConfig:
+    return ClusterConfig(ray_address="local", engine_call_timeout_s=timeout_s,
                          placement_timeout_s=60, **kw)
 
 
-def _pool(tiny, n=2, build=None):
+def _pool(tiny, n=2, build=None, startup_timeout_s: float = 120.0):
+    """A pool started within ``startup_timeout_s`` (two Ray workers importing torch and building
+    an engine overran 4 s on a loaded CI machine, 2026-11-29), then bounded by ``TIMEOUT_S``."""
     from rollout.ray_engines import RayStateDictEnginePool
     from rollout.torch_engine import TorchEngine
 
     path, tok = tiny
     build = build or partial(TorchEngine, str(path), tok.eos_token_id, tok.pad_token_id)
-    return RayStateDictEnginePool(build, "torch", n, 4, _cluster(), 0)
+    pool = RayStateDictEnginePool(build, "torch", n, 4, _cluster(startup_timeout_s), 0)
+    pool.cluster = _cluster()
+    return pool
 
 
 def _all_cpus_free(wait_s: float = 30) -> None:
@@ -280,7 +284,9 @@ def test_a_hung_engine_fails_handoffs_and_queries_within_the_timeout(tiny, local
         assert 0 in pool._stale and pool.alive == [True, True]
     finally:
         os.kill(pid, signal.SIGCONT)
-    # the engine answers again: the same hand-off goes through, both serve it
+    # the engine answers again: the same hand-off goes through, both serve it (given time: the
+    # stopped engine has its queued calls to answer first, on a machine perhaps loaded)
+    pool.cluster = _cluster(120.0)
     try:
         value, _ = _bounded(lambda: pool.load_state_dict(weights, 5), 60)
         assert value is None, value
@@ -295,7 +301,8 @@ def test_a_hung_engine_fails_handoffs_and_queries_within_the_timeout(tiny, local
 def test_an_engine_that_never_starts_fails_the_pool_within_the_timeout(tiny, local_ray):
     """Start-up (building the engine) is bounded too, and a pool that failed to start leaves no
     actor or placement group behind."""
-    err, took = _bounded(lambda: _pool(tiny, n=1, build=partial(time.sleep, 3600)), 90)
+    err, took = _bounded(lambda: _pool(tiny, n=1, build=partial(time.sleep, 3600),
+                                         startup_timeout_s=TIMEOUT_S), 90)
     assert isinstance(err, TimeoutError), err
     assert str(err) == ("ray:torch/0: no answer to start-up (building its engine) within "
                         f"cluster.engine_call_timeout_s={TIMEOUT_S:g}")
