@@ -74,9 +74,15 @@ def resume(run_id: str, home: HomeOpt = "./rlake-home",
            lake_uri: Annotated[str | None, typer.Option("--lake", help="lake URI (default: HOME/lake)")] = None,
            num_rollout: Annotated[int | None, typer.Option(
                "--num-rollout", help="train to N iterations from now on (recorded with the run; "
-                                     "at least its committed ones)")] = None) -> None:
+                                     "at least its committed ones)")] = None,
+           set_: Annotated[list[str] | None, typer.Option("--set", hidden=True)] = None) -> None:
     """Continue RUN_ID from its last completed iteration (read from the lake); --num-rollout N
     trains a finished run further (or stops an unfinished one earlier)."""
+    if set_:  # taken only to say why: "No such option: --set" read as a typo (review, 2026-11-29)
+        raise ValueError(f"--set {set_[0]}: a run's settings are fixed at its record (a resume "
+                         "reads them from the lake); only its length may change (--num-rollout). "
+                         "To train with other settings start a new run, or `rlake replay "
+                         f"{run_id} --set ...` to train them on its recorded trajectories")
     overrides = [f"home={home}"] + ([f"lake_uri={lake_uri}"] if lake_uri else [])
     cfg = load_config(None, overrides)
     from infra.startup import load_row, open_lake

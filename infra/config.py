@@ -624,9 +624,28 @@ def _section_keys(path: tuple[Any, ...]) -> list[str]:
     return list(model.model_fields)
 
 
+def _named_key(loc: tuple[Any, ...], msg: str) -> str | None:
+    """The config key a cross-field check's message names (``loc``: the section checked): the
+    first dotted key that exists, else the first plain one; None if it names none."""
+    section = tuple(p for p in loc if not isinstance(p, int))
+    tokens = re.findall(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*", msg)
+    for dotted in (True, False):
+        for token in tokens:
+            if ("." in token) != dotted:
+                continue
+            *parent, name = token.split(".")
+            for path in ((*section, *parent), tuple(parent)):  # relative to the section, or whole
+                if name in _section_keys(path):
+                    return ".".join((*path, name))
+    return None
+
+
 def _format_error(err: ValidationError) -> str:
     first = err.errors()[0]
-    key = ".".join(str(p) for p in first["loc"]) or "(config)"
+    key = ".".join(str(p) for p in first["loc"])
+    if isinstance(first.get("input"), dict) and first["type"] == "value_error":
+        # a check across keys (a section's or the whole config's): the key its message names
+        key = _named_key(first["loc"], first["msg"].removeprefix("Value error, ")) or key or "(config)"
     if first["type"] == "extra_forbidden":
         *section, name = first["loc"]
         close = difflib.get_close_matches(str(name), _section_keys(tuple(section)), n=1)

@@ -205,6 +205,20 @@ SUPPORTED_MODELS = ("decoder-only causal LMs that transformers' AutoModelForCaus
                     "(Qwen2, Llama, Mistral, Gemma, GPT-2, ...)")
 
 
+def attention_problem(config) -> str | None:
+    """A layer that does not attend over the whole causal prefix (sliding window), named as the
+    config names it; None if every layer attends over the whole causal prefix. rlake's fast
+    decoder and the Megatron mapping compute full attention only."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        other = sorted({t for t in layer_types if t != "full_attention"})
+        return f"layer_types {other} (full_attention only)" if other else None
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", False) and window is not None:
+        return f"use_sliding_window with sliding_window {window} (full attention only)"
+    return None
+
+
 def check_causal_lm(config, path: str | Path) -> None:
     """Refuse a model that is not a decoder-only causal LM, in one line naming model.path.
 

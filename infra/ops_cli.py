@@ -72,7 +72,10 @@ def register(app: typer.Typer, debug: Callable[[], bool] = lambda: False) -> Non
         # recorded lake_uri may name a path of another machine, or its home's (review, 2026-11-29)
         data = apply_overrides({**data, "home": home, "run_id": None, "lake_uri": lake_uri},
                                set_ or [])
-        cfg = config_from_dict(data)
+        from infra.paths import absolute_paths
+
+        # recorded absolute, as `rlake run` records its config: a resume from elsewhere finds them
+        cfg = config_from_dict(absolute_paths(data, Path.cwd()))
         from infra.progress import replay_with_progress
         from infra.startup import check_new_run_id, check_replay, new_run_id
 
@@ -167,12 +170,10 @@ def register(app: typer.Typer, debug: Callable[[], bool] = lambda: False) -> Non
             starter_gone,
             stop_server,
         )
-
-        def stop(signum, frame):  # noqa: ARG001 - signal handler signature
-            raise KeyboardInterrupt
+        from infra.ui_cli import raise_interrupt
 
         # SIGTERM at any moment (even while the server starts) is a clean stop, exit status 0
-        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGTERM, raise_interrupt)
         started = False
         lock = None
         try:

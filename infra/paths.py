@@ -1,5 +1,6 @@
 """A run's local paths made absolute: a config is recorded (``rlake run``'s row, ``rlake deploy``'s
-spec) in one folder and read in another (a resume from elsewhere, ``rlake serve``'s folder)."""
+spec) in one folder and read in another (a resume from elsewhere, ``rlake serve``'s folder); and
+the ``--home``/``--lake`` options a printed command needs to find a run again."""
 
 from __future__ import annotations
 
@@ -48,3 +49,16 @@ def absolute_paths(config: dict, base: str | Path) -> dict:
     if isinstance(sglang, dict) and "/" in str(sglang.get("python") or ""):
         fix(sglang, "python")
     return out
+
+
+def place_options(home: str | Path, lake_uri: str | None, *, with_home: bool = True) -> list[str]:
+    """``--home HOME`` (when ``with_home``) and ``--lake LAKE`` when the lake is not HOME/lake:
+    the options a printed ``rlake resume``/``rlake run`` needs to find the run (a hint without
+    ``--lake`` found no run: review, 2026-11-29)."""
+    from buffer.delta import is_local, local_path
+
+    options = ["--home", str(home)] if with_home else []
+    if lake_uri and not (is_local(str(lake_uri))
+                         and Path(local_path(str(lake_uri))).resolve() == (Path(home) / "lake").resolve()):
+        options += ["--lake", str(lake_uri)]
+    return options

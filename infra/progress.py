@@ -46,8 +46,9 @@ class RichReporter:
             self.last_acc = p["accuracy"]
             score = accuracy_text(p["accuracy"])
             score += " (its rewards failed)" if score == "none" else ""
-            self.console.print(f"  eval after iteration {p['iteration']}: held-out accuracy "
-                               f"[bold]{score}[/]")
+            # ``iteration``: how many iterations trained the evaluated weights (the evals row's)
+            done = f"{p['iteration']} iteration" + ("" if p["iteration"] == 1 else "s")
+            self.console.print(f"  eval after {done}: held-out accuracy [bold]{score}[/]")
         elif event == "warning":
             self.console.print(f"  [yellow]warning:[/] {p['message']}")
         elif event == "reuse":
@@ -118,12 +119,14 @@ def run_with_progress(cfg: RunConfig, run_id: str | None, resume: bool, console:
         run_id = cfg.run_id or new_run_id()
     if started is not None:
         started(run_id)
-    with prepared_run(cfg, run_id, resume, num_rollout) as run_id:
+    with prepared_run(cfg, run_id, resume, num_rollout) as (run_id, run_cfg):
         from flows.rl import rl_run
 
+        # the run's own config: a resume's ``cfg`` is the defaults with its home and lake, and
+        # its flow runs showed seed 0 and relative paths in Prefect (review, 2026-11-29)
         with live_display(console, run_id, debug):
-            summary = rl_run(cfg.model_dump(), run_id=run_id, resume=resume)
-    summary["accuracy"] = accuracy_before_after(summary["lake_uri"], summary["run_id"], cfg)
+            summary = rl_run(run_cfg.model_dump(), run_id=run_id, resume=resume)
+    summary["accuracy"] = accuracy_before_after(summary["lake_uri"], summary["run_id"], run_cfg)
     return summary
 
 

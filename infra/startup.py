@@ -43,6 +43,7 @@ from infra.checks import (  # noqa: F401 - the checks' names, imported from here
 from infra.config import RunConfig, check_run_id, config_from_dict
 from infra.data_digest import changed_prompt_data, prompt_data_digest
 from infra.faults import fault_point
+from infra.paths import place_options
 from infra.quick_exit import release_named_semaphores
 
 DEFAULT_HOME = "./rlake-home"
@@ -73,12 +74,9 @@ def resume_command(run_id: str, cfg: RunConfig) -> str:
 
 
 def _with_place(args: list[str], cfg: RunConfig) -> str:
-    """``args`` with the ``--home`` and ``--lake`` options ``cfg`` needs, shell-quoted."""
-    if cfg.home != DEFAULT_HOME:
-        args = [*args, "--home", str(cfg.home)]
-    if cfg.lake_uri:
-        args = [*args, "--lake", str(cfg.lake_uri)]
-    return shlex.join(args)
+    """``args`` with the ``--home`` (not the default one) and ``--lake`` options ``cfg`` needs,
+    shell-quoted."""
+    return shlex.join([*args, *place_options(cfg.home, cfg.lake_uri, with_home=cfg.home != DEFAULT_HOME)])
 
 
 def start_again_command(run_id: str, cfg: RunConfig) -> str:
@@ -227,10 +225,12 @@ def new_run_id() -> str:
 
 @contextmanager
 def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool,
-                 num_rollout: int | None = None) -> Iterator[str]:
+                 num_rollout: int | None = None) -> Iterator[tuple[str, RunConfig]]:
     """Everything before the first flow, in the order of the module docstring; yields the run
-    id with its runtime open (``infra.runtime.RUNTIMES``) and Prefect's server answering. On the
-    way out the server is stopped and a runtime the pipeline never took is closed.
+    id and the config its runtime holds (the recorded one: a resume's ``cfg`` names only the
+    home and lake) with the runtime open (``infra.runtime.RUNTIMES``) and Prefect's server
+    answering. On the way out the server is stopped and a runtime the pipeline never took is
+    closed.
     ``num_rollout`` (a resume's ``--num-rollout``) is recorded as the run's once this process
     owns it (``infra.extend.set_num_rollout``)."""
     from infra.env import set_environment
@@ -269,11 +269,13 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool,
             record_run(lake, cfg, run_id)
             fault_point("after_run_recorded")
 
+        opened: list[RunConfig] = []
+
         def open_pipeline() -> None:
             from infra.runtime import open_runtime
 
             try:
-                open_runtime(cfg, run_id, resume)
+                opened.append(open_runtime(cfg, run_id, resume).cfg)
             except BaseException as e:
                 if resume:
                     raise
@@ -284,7 +286,7 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool,
             import flows.rl  # noqa: F401 - Prefect's client side imports while its server starts
 
         with prefect_served(cfg, run_id, open_pipeline):
-            yield run_id
+            yield run_id, opened[0]
     finally:
         release_run(run_dir)
 

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Column, Table
 
 from buffer import Lake
-from buffer.delta import is_local, local_path
+from infra.paths import place_options
 from infra.recovery import run_owner
 
 # a "running" run read from the lake alone (`--lake` without `--home`): only the run folder's lock
@@ -56,12 +56,9 @@ def shown_status(run: dict, home: str | None) -> str:
 
 
 def resume_hint(run_id: str, home: str, lake_uri: str) -> str:
-    """``rlake resume RUN_ID --home HOME``, with ``--lake`` when the lake is not HOME/lake (the
-    hint left it out, and the printed command then found no run: review, 2026-11-29);
+    """``rlake resume RUN_ID --home HOME``, with ``--lake`` when the lake is not HOME/lake;
     shell-quoted (a home with a space)."""
-    args = ["rlake", "resume", run_id, "--home", str(home)]
-    in_home = is_local(lake_uri) and Path(local_path(lake_uri)).resolve() == (Path(home) / "lake").resolve()
-    return shlex.join(args if in_home else [*args, "--lake", lake_uri])
+    return shlex.join(["rlake", "resume", run_id, *place_options(home, lake_uri)])
 
 
 def _list_runs(console: Console, lake: Lake, home: str | None) -> None:
@@ -84,12 +81,19 @@ def _list_runs(console: Console, lake: Lake, home: str | None) -> None:
         console.print(f"{UNKNOWN}: {escape(unknown_hint(home))}", highlight=False, soft_wrap=True)
 
 
+STEP_COLUMNS = ("step", "iteration", "base_version", "weight_version", "n_samples", "metrics",
+                "timings", "pg_loss", "pg_clipfrac")
+
+
 def _show_run(console: Console, lake: Lake, run_id: str, home: str | None) -> None:
     run = lake.get_run(run_id)
     if run is None:
         raise ValueError(f"no run '{run_id}' in the lake at {lake.uri}")
-    steps = sorted(lake.read("train_steps", run_id=run_id).to_pylist(), key=lambda s: s["step"])
-    evals = {e["weight_version"]: e["value"] for e in lake.read("evals", run_id=run_id).to_pylist()
+    # the columns shown, not the consumed sample_uids (most of a long run's train_steps bytes)
+    steps = sorted(lake.read("train_steps", run_id=run_id, columns=list(STEP_COLUMNS)).to_pylist(),
+                   key=lambda s: s["step"])
+    evals = {e["weight_version"]: e["value"] for e in
+             lake.read("evals", run_id=run_id, columns=["weight_version", "metric", "value"]).to_pylist()
              if e["metric"] == "accuracy"}
     status = shown_status(run, home)
     console.print(f"[bold]{run_id}[/]  status: {status}  MLflow run: {run.get('mlflow_run_id')}")

@@ -365,8 +365,21 @@ class Tracker:
     def registered_weight_versions(self, rlake_run_id: str) -> set[int]:
         """Weight versions of ``rlake_run_id`` already in the registry (tag ``weight_version``)."""
         self.flush()
-        found = self.client.search_model_versions(f"name='{self.model_name(rlake_run_id)}'")
+        found = self._search_model_versions(self.model_name(rlake_run_id))
         return {int(mv.tags["weight_version"]) for mv in found if "weight_version" in mv.tags}
+
+    def _search_model_versions(self, name: str, page_size: int | None = None) -> list:
+        """Every model version of ``name``, page by page: one search returns at most 10,000, and
+        a run past 10,000 weight versions then found its oldest unregistered and registered
+        them again at each resume (review, 2026-11-29)."""
+        kwargs = {} if page_size is None else {"max_results": page_size}
+        found, token = [], None
+        while True:
+            page = self.client.search_model_versions(f"name='{name}'", page_token=token, **kwargs)
+            found.extend(page)
+            token = page.token
+            if not token:
+                return found
 
     def register_weight_version(self, rlake_run_id: str, weight_version: int,
                                 tags: dict[str, str | int | None]) -> str:
@@ -399,7 +412,7 @@ class Tracker:
         kept up to date by ``register_weight_version`` (one process writes a run's versions;
         the search grew with every version and cost more than the registration itself)."""
         if name not in self._registered:
-            found = self.client.search_model_versions(f"name='{name}'")
+            found = self._search_model_versions(name)
             self._registered[name] = {int(mv.tags["weight_version"]): mv.version
                                       for mv in found if "weight_version" in mv.tags}
         return self._registered[name]

@@ -96,7 +96,8 @@ def stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
-def _interrupt(signum: int, frame: object) -> None:  # noqa: ARG001 - signal handler signature
+def raise_interrupt(signum: int, frame: object) -> None:  # noqa: ARG001 - signal handler signature
+    """A signal handler: the signal is a Ctrl-C (``rlake ui``'s and ``rlake serve``'s stop)."""
     raise KeyboardInterrupt
 
 
@@ -107,7 +108,7 @@ def stop_on_signals() -> dict[int, object]:
     old = {}
     try:
         for sig in STOP_SIGNALS:
-            old[sig] = signal.signal(sig, _interrupt)
+            old[sig] = signal.signal(sig, raise_interrupt)
     except ValueError:  # not the main thread: signals cannot be set (the parent-death signal stays)
         pass
     return old

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from infra.modeling import attention_problem
 from infra.qwen2 import apply_rope, rope_tables
 
 
@@ -66,20 +67,8 @@ def unsupported(config) -> str | None:
     for key in ("attention_bias", "mlp_bias"):  # o_proj (and q/k/v) / gate-up-down biases
         if getattr(config, key, False):
             return f"{key}: true (biases on q/k/v only)"
-    return _attention_problem(config) or (
+    return attention_problem(config) or (
         "quantized weights" if getattr(config, "quantization_config", None) else None)
-
-
-def _attention_problem(config) -> str | None:
-    """A layer that does not attend over the whole causal prefix (sliding window)."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        other = sorted({t for t in layer_types if t != "full_attention"})
-        return f"layer_types {other} (full_attention only)" if other else None
-    window = getattr(config, "sliding_window", None)
-    if getattr(config, "use_sliding_window", False) and window is not None:
-        return f"use_sliding_window with sliding_window {window} (full attention only)"
-    return None
 
 
 def supports(config) -> bool:

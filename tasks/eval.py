@@ -84,7 +84,7 @@ def evaluate(rt: Runtime, iteration: int) -> dict[str, float | None]:
             shown.add(eval_set.name)  # some failed: once per set; all failed: every time
             scored = ("no score is recorded" if "pass@1" not in metrics else
                       "they count as reward 0 in its scores")
-            rt.report("warning", {"message": f"eval after iteration {iteration}: the reward failed "
+            rt.report("warning", {"message": f"eval after {iteration} iteration(s): the reward failed "
                                   f"for {failed_share(samples)} of eval set "
                                   f"'{eval_set.name}''s samples ({first_failure(samples)}); "
                                   f"{scored} (each error: trajectories.reward_detail)"})

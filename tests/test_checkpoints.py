@@ -197,8 +197,8 @@ def _last_resume(home: Path, run_id: str) -> dict:
     return json.loads(_tag(home, run_id, "rlake.last_resume"))
 
 
-def _iteration_flow_runs(api_url: str, run_id: str) -> list[int]:
-    """The iterations of every ``rl_iteration`` flow run of the run (generation happens only there)."""
+def _flow_runs(api_url: str, run_id: str, flow: str) -> list:
+    """The run's flow runs of ``flow``, oldest first."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -206,7 +206,12 @@ def _iteration_flow_runs(api_url: str, run_id: str) -> list[int]:
     with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         flows = {f.id: f.name for f in client.read_flows()}
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[run_tag(run_id)])))
-    return sorted(fr.parameters["iteration"] for fr in runs if flows.get(fr.flow_id) == "rl_iteration")
+    return sorted((fr for fr in runs if flows.get(fr.flow_id) == flow), key=lambda fr: fr.created)
+
+
+def _iteration_flow_runs(api_url: str, run_id: str) -> list[int]:
+    """The iterations of every ``rl_iteration`` flow run of the run (generation happens only there)."""
+    return sorted(fr.parameters["iteration"] for fr in _flow_runs(api_url, run_id, "rl_iteration"))
 
 
 def _final_state(home: Path, run_id: str) -> tuple[dict, dict]:
@@ -344,4 +349,10 @@ def test_a_finished_run_resumed_with_a_larger_num_rollout_trains_on_as_one_run(s
     assert [(c["from"], c["to"]) for c in notes["num_rollout_changes"]] == [(3, N_ITER)]
     assert _tag(home, "short", "rlake.num_rollout") == str(N_ITER)
     assert _iteration_flow_runs(url, "short") == list(range(N_ITER))
+    # the resume's rl_run flow run got the run's config, not the defaults with a home (seed 0,
+    # 32 prompts and a relative home showed in Prefect: review, 2026-11-29)
+    first, resumed = (fr.parameters["config"] for fr in _flow_runs(url, "short", "rl_run"))
+    assert resumed == {**first, "num_rollout": N_ITER} and first["num_rollout"] == 3
     _assert_bitwise_equal(_final_state(home, "short"), reference)
+    start = load_file(home / "runs/short/checkpoints/v000000/model.safetensors")
+    assert any(not torch.equal(start[k], v) for k, v in reference[0].items())  # it learned

@@ -260,7 +260,7 @@ def test_tracker_batches_in_background_and_flushes(tmp_path):
 
 
 # enough that the run is still going when the signal comes: with 20 (0.16 s each) a CI run
-# finished before it, its output's "eval after iteration 1" seen late (2026-11-29)
+# finished before it, its output's "eval after 1 iteration" seen late (2026-11-29)
 CTRL_C_ITERATIONS = 80
 
 
@@ -279,7 +279,7 @@ def test_ctrl_c_in_a_terminal_is_an_interrupt_and_resume_finishes(tmp_path, mode
                                 stderr=subprocess.STDOUT, env=cli_env(None, COLUMNS="200"),
                                 start_new_session=True)
     deadline = time.monotonic() + 300
-    while "eval after iteration 1:" not in log.read_text() and proc.poll() is None:
+    while "eval after 1 iteration:" not in log.read_text() and proc.poll() is None:
         assert time.monotonic() < deadline, tail(log)
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGINT)

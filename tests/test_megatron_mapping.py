@@ -164,3 +164,17 @@ def test_fuse_split_qkv_inverse():
 def test_unsupported_config_is_refused():
     with pytest.raises(ValueError, match="hidden_act"):
         ModelShape.from_hf_config(Qwen2Config(**SIZES, hidden_act="gelu"))
+
+
+@pytest.mark.parametrize(("config", "named"), [
+    (lambda: Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=4, max_window_layers=0),
+     "sliding_attention"),
+    (lambda: LlamaConfig(**SIZES, attention_bias=True), "attention_bias"),
+    (lambda: LlamaConfig(**SIZES, partial_rotary_factor=0.5), "partial_rotary_factor"),
+])
+def test_a_model_the_mapping_would_compute_otherwise_is_refused(config, named):
+    """A sliding window, Llama's o_proj bias (``attention_bias``) and partial RoPE were mapped
+    silently: Megatron then trained a policy other than the one the engine sampled (review,
+    2026-11-29; the fast decoder refused them already)."""
+    with pytest.raises(ValueError, match=named):
+        ModelShape.from_hf_config(config())

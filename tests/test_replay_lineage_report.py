@@ -4,6 +4,7 @@ tiny source run made by the real CLI (one shared Prefect server for the CLI proc
 from __future__ import annotations
 
 import json
+import os
 import signal
 
 import pytest
@@ -13,7 +14,7 @@ from safetensors.torch import load_file
 from buffer import Lake
 from infra.prefect_server import ensure_server, stop_server
 from infra.report import write_report
-from tests.opshelp import TINY, cli_env, rlake, tail
+from tests.opshelp import ROOT, TINY, cli_env, rlake, tail
 
 SOURCE = "src"
 ITERS = 3
@@ -38,7 +39,9 @@ def test_replay_of_a_run_in_a_lake_outside_the_home(source, tmp_path):
     home, url = source
     other = tmp_path / "other-home"
     log = tmp_path / "replay-lake.log"
-    args = ["replay", SOURCE, "--home", str(other), "--iterations", "2:3", "--run-id", "rep-lake"]
+    # given relative to the folder rlake runs in (the repository's root): recorded absolute
+    relative = os.path.relpath(other, ROOT)
+    args = ["replay", SOURCE, "--home", relative, "--iterations", "2:3", "--run-id", "rep-lake"]
     missing = rlake(args, cli_env(url), log)
     assert missing.returncode == 1 and "--lake" in log.read_text(), tail(log)
     proc = rlake([*args, "--lake", str(home / "lake")], cli_env(url), log)
@@ -46,6 +49,7 @@ def test_replay_of_a_run_in_a_lake_outside_the_home(source, tmp_path):
     run = Lake(str(home / "lake")).get_run("rep-lake")
     assert (run["replay_of"], run["status"]) == (SOURCE, "completed")
     assert not (other / "lake").exists()
+    assert json.loads(run["config"])["home"] == str(other.resolve())  # was the relative path
 
 def test_replay_rescore(source):
     home, url = source
@@ -87,7 +91,7 @@ def test_replay_rescore(source):
     assert [(r["parameters"], r["state"]) for r in _iteration_runs(url, "rep")] == [
         ({"run_id": "rep", "iteration": j, "source_iteration": j + 1}, "COMPLETED") for j in (0, 1)]
     text = log.read_text()  # the live display's lines
-    assert "eval after iteration 0: held-out accuracy" in text and "eval after iteration 2" in text
+    assert "eval after 0 iterations: held-out accuracy" in text and "eval after 2 iterations" in text
     status = home / "status-rep.log"
     assert rlake(["status", "rep", "--home", str(home)], cli_env(None), status).returncode == 0
     assert (f"replay of {SOURCE} (iterations 1:3, rescored with tests.opshelp:length_reward)"

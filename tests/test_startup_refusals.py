@@ -186,3 +186,30 @@ def test_a_prompt_file_row_without_a_label_is_refused_at_start_for_a_labelled_re
         check_data(cfg)
     check_data(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"rm_type": "countdown"}),
                                       "sft": cfg.sft.model_copy(update={"enabled": False})}))
+
+
+@pytest.mark.parametrize(("sets", "key"), [
+    (["mode=async", "trainer.max_staleness=0"], "trainer.max_staleness"),
+    (["rollout.num_engines=2"], "rollout.num_engines"),
+    (["rollout.over_sampling_batch_size=1"], "rollout.over_sampling_batch_size"),
+    (["trainer.use_kl_loss=true", "trainer.kl_coef=0.1"], "trainer.use_kl_loss"),
+])
+def test_a_check_across_keys_names_the_key_in_its_error(sets, key):
+    """A check across keys (a section's or the whole config's) put '(config)' or the section's
+    name where the key goes: ``bad config value for '(config)': mode 'async' needs ...``
+    (review, 2026-11-29)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(QUICKSTART, sets)
+    assert str(err.value).startswith(f"bad config value for '{key}': "), str(err.value)
+
+
+def test_resume_with_set_says_the_settings_are_the_records(tmp_path):
+    """``rlake resume RUN --set k=v`` failed with the parser's "No such option: --set", which
+    read as a typo; it now says why, before anything is opened (review, 2026-11-29)."""
+    log = tmp_path / "resume.log"
+    proc = rlake(["resume", "r1", "--home", str(tmp_path / "home"), "--set", "mode=sync"],
+                 cli_env(None), log)
+    assert proc.returncode == 1, tail(log)
+    assert error_lines(log) and error_lines(log)[0].startswith(
+        "error: --set mode=sync: a run's settings are fixed at its record"), tail(log)
+    assert not (tmp_path / "home").exists()

@@ -61,13 +61,23 @@ class ModelShape:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ValueError(f"config rope_type={rope_type!r}: only default RoPE maps")
+        partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+        if partial not in (None, 1, 1.0):
+            raise ValueError(f"config partial_rotary_factor={partial}: only RoPE over the whole head maps")
+        # Llama's attention_bias is on o_proj too, which Megatron would add only with the MLP's
+        if model_type == "llama" and getattr(cfg, "attention_bias", False):
+            raise ValueError("config.attention_bias=True: Llama's o_proj bias is not mapped")
+        from infra.modeling import attention_problem
+
+        if problem := attention_problem(cfg):  # Megatron's layers attend over the whole prefix
+            raise ValueError(f"config {problem}: the mapping runs full attention only")
         theta = getattr(cfg, "rope_theta", None) or rope.get("rope_theta", 10000.0)
         heads = cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
         if heads % kv:
             raise ValueError(f"num_attention_heads={heads} not a multiple of "
                              f"num_key_value_heads={kv}")
-        qkv_bias = True if model_type == "qwen2" else bool(getattr(cfg, "attention_bias", False))
+        qkv_bias = model_type == "qwen2"
         return cls(
             num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_heads=heads,
             num_kv_heads=kv,
