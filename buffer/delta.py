@@ -39,24 +39,63 @@ ROW_GROUP_SIZE = 2048
 # delta-rs lists files slowly from JSON commits (~1-2 ms per commit since the last checkpoint, per
 # call) and fast from a checkpoint: checkpoint often, and reopen cached tables after as many commits.
 CHECKPOINT_INTERVAL = 10
+# Each txn action carries its ``lastUpdated`` (``guarded_append``): without it delta-rs never
+# expires one, and every checkpoint listed one txn per commit the table ever had.
+TXN_RETENTION = "interval 1 hour"
 TABLE_PROPERTIES = {
     "delta.checkpointInterval": str(CHECKPOINT_INTERVAL),
-    # txn ids only matter to commits racing each other; let checkpoints drop old ones
-    "delta.setTransactionRetentionDuration": "interval 7 days",
+    # txn ids only matter to commits racing each other (seconds apart; the conflict checker reads
+    # the racing commits themselves, not the checkpoint): let checkpoints drop them after an hour
+    "delta.setTransactionRetentionDuration": TXN_RETENTION,
 }
-# Delta-log statistics only where files are pruned or filtered (smaller log, cheaper appends)
+# Delta-log statistics only on the columns whose files are pruned (``to_dataset`` conditions,
+# ``scope_filter``'s key scopes, the ``runs`` MERGE predicate) and a few short ones a reader may
+# filter on: every checkpoint repeats each file's statistics, and min/max of the long JSON and
+# text columns (train_steps.metrics, runs.config) made a train_steps entry ~1.5 kB.
+# A column left out here is never pruned on (``_keep_mask`` keeps files without statistics).
 STATS_COLUMNS = {
     "trajectories": "sample_uid,run_id,iteration,weight_version,group_index,sample_index,kind,"
                     "reward,status,engine,created_at",
+    "train_steps": "run_id,step,iteration,base_version,weight_version,lake_version,created_at",
+    "evals": "run_id,weight_version,iteration,dataset,metric,created_at",
+    "runs": "run_id,status,created_at,updated_at",
 }
+UPGRADE_ATTEMPTS = 10
 
 
 def table_properties(name: str) -> dict[str, str]:
-    """Delta properties a lake table is created with."""
+    """Delta properties a lake table is created with (and ``upgrade_properties`` brings to)."""
     props = dict(TABLE_PROPERTIES)
     if name in STATS_COLUMNS:
         props["delta.dataSkippingStatsColumns"] = STATS_COLUMNS[name]
     return props
+
+
+def stale_properties(dt: DeltaTable, name: str) -> dict[str, str]:
+    """The properties of ``table_properties(name)`` that ``dt``'s configuration lacks or differs on."""
+    config = dt.metadata().configuration
+    return {k: v for k, v in table_properties(name).items() if config.get(k) != v}
+
+
+def upgrade_properties(dt: DeltaTable, name: str) -> bool:
+    """Bring an existing table's Delta properties up to ``table_properties(name)`` (a table an
+    older rlake created keeps its old ones otherwise): one metadata commit, made only when one
+    differs. A concurrent commit (another writer's append, or its own upgrade) fails ours with
+    ``CommitFailedError``: re-read and retry; after ``UPGRADE_ATTEMPTS`` it is left for the next
+    open (False). Concurrent appends fail once on the metadata change and retry. Files written
+    before keep their statistics until ``compact`` rewrites them. True when the table is up to
+    date. Writes: call it only where the caller writes anyway (never from a read)."""
+    for attempt in range(UPGRADE_ATTEMPTS):
+        stale = stale_properties(dt, name)
+        if not stale:
+            return True
+        try:
+            dt.alter.set_table_properties(stale, raise_if_not_exists=False, commit_properties=CommitProperties(
+                custom_metadata={"rlake.operation": "upgrade_properties"}))
+        except CommitFailedError:
+            time.sleep(backoff(attempt))
+            dt.update_incremental()
+    return not stale_properties(dt, name)
 
 
 def is_local(uri: str) -> bool:
@@ -303,8 +342,9 @@ def guarded_append(
             return None
         # The txn version is a timestamp: conflicts are detected on the app id alone, and reading
         # the last version back (``dt.transaction_version``) costs ~4 ms and grows with the log.
+        # ``last_updated`` (ms) lets checkpoints drop the txn after TXN_RETENTION (never without it)
         stamp = time.time_ns()
-        txns = [Transaction(g, stamp) for g in guards]
+        txns = [Transaction(g, stamp, stamp // 1_000_000) for g in guards]
         props = CommitProperties(custom_metadata={"rlake.operation": f"append_{name}",
                                                   "rlake.rows": new.num_rows,
                                                   GUARDS_KEY: json.dumps(guards), **(commit_info or {})},

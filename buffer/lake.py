@@ -147,6 +147,7 @@ class Lake:
         self.storage_options = dict(storage_options) if storage_options else None
         self._tables: dict[str, DeltaTable] = {}
         self._loaded_at: dict[str, int] = {}
+        self._upgraded: set[str] = set()  # tables whose properties this object brought up to date
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
@@ -164,19 +165,31 @@ class Lake:
         was loaded at: delta-rs keeps one in-memory batch per incrementally applied commit, which
         makes file listing (every slice and append) slow, while a fresh load starts from the
         latest checkpoint.
+
+        With ``create`` (a write), a table an older rlake created gets the current Delta
+        properties once per ``Lake`` object (``delta.upgrade_properties``: one metadata commit,
+        only when one differs); reads never write.
         """
         dt = self._tables.get(table)
         if dt is not None:
             if self._may_have_changed(dt):
                 dt.update_incremental()
             if dt.version() - self._loaded_at[table] < delta.CHECKPOINT_INTERVAL:
-                return dt
+                return self._upgrade(table, dt) if create else dt
         uri = self.table_uri(table)
         dt = delta.create_table(uri, table, self.storage_options) if create else delta.open_table(
             uri, self.storage_options)
         if dt is not None:
             self._tables[table] = dt
             self._loaded_at[table] = dt.version()
+        return self._upgrade(table, dt) if create and dt is not None else dt
+
+    def _upgrade(self, table: str, dt: DeltaTable) -> DeltaTable:
+        """``dt`` with its Delta properties brought up to date, tried once per ``Lake`` (a write's
+        open; an upgrade that kept conflicting is left to the next ``Lake`` or ``compact``)."""
+        if table not in self._upgraded:
+            self._upgraded.add(table)
+            delta.upgrade_properties(dt, table)
         return dt
 
     def _may_have_changed(self, dt: DeltaTable) -> bool:

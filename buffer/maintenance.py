@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import unquote
 
-from buffer.delta import ROW_GROUP_SIZE, is_local, local_path, writer_properties
+from buffer.delta import ROW_GROUP_SIZE, is_local, local_path, upgrade_properties, writer_properties
 from buffer.lake import Lake
 
 DEFAULT_RETENTION_HOURS = 168
@@ -79,10 +79,14 @@ def compact(lake: Lake, table: str = "trajectories", run_id: str | None = None,
     ``max_row_group_size`` defaults to ``ROW_GROUP_ROWS`` for the table, else ``ROW_GROUP_SIZE``.
     ``sort`` orders rewritten rows by ``SORT_COLUMNS[table]`` (a one-column Z-order, i.e. a sort);
     otherwise files are bin-packed as they are. ``checkpoint`` writes a Delta checkpoint after,
-    so opening the table reads one Parquet file instead of every JSON commit.
+    so opening the table reads one Parquet file instead of every JSON commit. A table an older
+    rlake created gets the current Delta properties first (``delta.upgrade_properties``).
     """
     with lake._lock, compaction_lock(lake, table):
         dt = _table_or_error(lake, table)  # as it is now: another compaction may have ended
+        # a table an older rlake created: current properties first, so the rewritten files carry
+        # statistics only on STATS_COLUMNS (the checkpoint after lists them, smaller)
+        upgrade_properties(dt, table)
         props = writer_properties(max_row_group_size or ROW_GROUP_ROWS.get(table, ROW_GROUP_SIZE))
         parts = [("run_id", "=", run_id)] if run_id is not None and table == "trajectories" else None
         cols = SORT_COLUMNS.get(table) if sort else None
