@@ -326,15 +326,17 @@ async def _serve(home: str | Path, maintenance_interval: float | None, limit: in
         for name, spec in list(specs.items()):
             try:
                 complete = await anyio.to_thread.run_sync(run_complete, spec)
-                if complete == (name in paused):
+                if not complete and name not in paused:
                     continue
                 async with get_client() as client:
-                    if complete:
+                    if complete and name in paused:
+                        await drop_scheduled_runs(client, ids[name])
+                    elif complete:
                         await client.pause_deployment(ids[name])
                         paused.add(name)
                         print(f"deployment '{name}': run {spec['run_id']} is complete: paused "
                               "(no more ticks)", flush=True)
-                    else:
+                    elif name in paused:
                         await client.resume_deployment(ids[name])
                         paused.discard(name)
                         print(f"deployment '{name}': run {spec['run_id']} is not complete: "
@@ -342,6 +344,25 @@ async def _serve(home: str | Path, maintenance_interval: float | None, limit: in
             except Exception as err:  # noqa: BLE001 - reported; the serve goes on
                 say_once(f"{name} (pause)", f"deployments: '{name}': could not check its run: "
                                             f"{type(err).__name__}: {err}")
+
+    async def drop_scheduled_runs(client, deployment_id) -> None:
+        """Delete the Scheduled flow runs of a paused deployment. Prefect's pause deletes them,
+        but its scheduler service may insert the runs it planned from before the pause just
+        after (100 were left on a loaded CI machine, 2026-11-29), and each would start a flow-run
+        process that does nothing."""
+        from prefect.client.schemas.filters import (
+            DeploymentFilter,
+            DeploymentFilterId,
+            FlowRunFilter,
+            FlowRunFilterStateType,
+        )
+        from prefect.client.schemas.objects import StateType
+
+        runs = await client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
+            flow_run_filter=FlowRunFilter(state=dict(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))))
+        for run in runs:
+            await client.delete_flow_run(run.id)
 
     async def rescan() -> None:
         while True:
