@@ -344,7 +344,10 @@ def test_bad_specs_written_while_serving_are_reported_and_serving_goes_on(served
     for name in BAD_SPECS:
         _wait_for(log, f"deployments: {home.resolve() / 'deployments' / name}: not served: ",
                   state["serve"], guard_s=60)
-    time.sleep(6)  # another rescan: nothing said again, still serving
+    # a whole rescan after the reports (a sleep of one rescan interval was not one on a slow
+    # machine): a spec recorded now is served, and its complete run's deployment paused, by one
+    deployments.save_spec(home, "later", RunConfig(home=str(home)).model_dump(), "done", None, 2)
+    _wait_for(log, "deployment 'later': run done is complete: paused", state["serve"], guard_s=60)
     assert state["serve"].poll() is None, tail(log)
     text = log.read_text()
     assert "--interval must be from 1 to 31622400 seconds (366 days), got nan" in text

@@ -98,15 +98,17 @@ def test_train_steps_checkpoint_entries_have_no_statistics_for_metrics(lake):
 
 
 def test_checkpoint_drops_txn_actions_past_the_retention(lake, monkeypatch):
-    """A checkpoint holds no txn action older than the table's txn retention (here 1 s, the
-    lake's is an hour): every append's txn carries ``lastUpdated``, without which delta-rs keeps
-    each one for ever (a checkpoint then listed one txn per commit the table ever had)."""
-    monkeypatch.setitem(delta.TABLE_PROPERTIES, "delta.setTransactionRetentionDuration", "interval 1 second")
+    """A checkpoint holds no txn action older than the table's txn retention (an hour): every
+    append's txn carries ``lastUpdated``, without which delta-rs keeps each one for ever (a
+    checkpoint then listed one txn per commit the table ever had). Steps 0-3 are appended with
+    the clock two hours back (a 1 s retention and a sleep flaked on a loaded machine)."""
+    real_time_ns = time.time_ns
+    monkeypatch.setattr(delta.time, "time_ns", lambda: real_time_ns() - 2 * 3600 * 10**9)
     lake.append_train_step(step_row(0))  # version 2
     stale = DeltaTable(lake.table_uri("train_steps"))  # a writer that read the table then stalled
     for step in range(1, 4):  # versions 3..5
         lake.append_train_step(step_row(step))
-    time.sleep(1.5)
+    monkeypatch.setattr(delta.time, "time_ns", real_time_ns)
     versions = [lake.append_train_step(step_row(step)) for step in range(4, delta.CHECKPOINT_INTERVAL + 1)]
     rows = checkpoint_rows(lake, "train_steps")
     txns = sorted(r["txn"]["appId"] for r in rows if r["txn"])
@@ -249,3 +251,17 @@ def test_racing_writers_on_an_old_style_table_upgrade_it_and_write_exactly_once(
         dt = DeltaTable(lake.table_uri(table))
         assert current(dt) and delta.stale_properties(dt, table) == {}
         assert operations(dt).count("SET TBLPROPERTIES") == 2, table
+
+
+def test_an_upgrade_that_loses_a_race_retries_and_reports_the_table_current(lake):
+    """Writer A read the old-style table; B upgraded it meanwhile: A's property commit conflicts
+    (``CommitFailedError``), and A re-reads, finds the table current and says so (True), with
+    one upgrade in the table's history. (The racing-writers test above passes whoever wins.)"""
+    create_old_style(lake, "train_steps")
+    uri = lake.table_uri("train_steps")
+    late = DeltaTable(uri)  # A: read before B's upgrade
+    assert delta.stale_properties(late, "train_steps")
+    assert delta.upgrade_properties(DeltaTable(uri), "train_steps")  # B
+    assert delta.upgrade_properties(late, "train_steps") is True
+    dt = DeltaTable(uri)
+    assert current(dt) and operations(dt).count("SET TBLPROPERTIES") == 2  # creation's + B's

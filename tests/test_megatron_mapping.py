@@ -166,9 +166,17 @@ def test_unsupported_config_is_refused():
         ModelShape.from_hf_config(Qwen2Config(**SIZES, hidden_act="gelu"))
 
 
+def _without_layer_types(config):
+    config.layer_types = None
+    return config
+
+
 @pytest.mark.parametrize(("config", "named"), [
     (lambda: Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=4, max_window_layers=0),
      "sliding_attention"),
+    # a config without layer_types (as older transformers versions wrote it): the window keys
+    (lambda: _without_layer_types(Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=4,
+                                              max_window_layers=0)), "use_sliding_window"),
     (lambda: LlamaConfig(**SIZES, attention_bias=True), "attention_bias"),
     (lambda: LlamaConfig(**SIZES, partial_rotary_factor=0.5), "partial_rotary_factor"),
 ])

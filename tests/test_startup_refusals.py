@@ -212,4 +212,17 @@ def test_resume_with_set_says_the_settings_are_the_records(tmp_path):
     assert proc.returncode == 1, tail(log)
     assert error_lines(log) and error_lines(log)[0].startswith(
         "error: --set mode=sync: a run's settings are fixed at its record"), tail(log)
-    assert not (tmp_path / "home").exists()
+
+
+def test_resume_with_set_refuses_before_it_reads_anything(tmp_path, monkeypatch):
+    """The refusal comes first: no config loaded, no lake opened."""
+    import infra.cli
+    import infra.startup
+
+    called = []
+    monkeypatch.setattr(infra.cli, "load_config", lambda *a, **k: called.append("config"))
+    monkeypatch.setattr(infra.startup, "open_lake", lambda *a, **k: called.append("lake"))
+    with pytest.raises(ValueError, match="a run's settings are fixed at its record"):
+        infra.cli.resume("r1", home=str(tmp_path), lake_uri=None, num_rollout=None,
+                         set_=["mode=sync"])
+    assert called == []
