@@ -99,7 +99,7 @@ EVALS: list[Column] = [
 RUNS: list[Column] = [
     _c("run_id", pa.string(), "Run identifier; key.", False),
     _c("config", pa.string(), "JSON of the full run configuration."),
-    _c("status", pa.string(), "running | completed | failed (`rlake status` shows a running run whose process is gone as interrupted; never stored)."),
+    _c("status", pa.string(), "running | completed | failed | interrupted (stopped by Ctrl-C, or by SIGTERM of the Prefect flow run that ran it; `rlake status` also shows a running run whose process is gone, killed, as interrupted)."),
     _c("mlflow_run_id", pa.string(), "MLflow run id tracking this run."),
     _c("parent_run_id", pa.string(), "Run this one was resumed/forked from."),
     _c("replay_of", pa.string(), "Run whose trajectories this run replays."),

@@ -277,18 +277,31 @@ def update_run_row(rt: Runtime, status: str, **extra) -> None:
                         "updated_at": datetime.now(UTC), **extra})
 
 
-def fail_run(rt: Runtime) -> None:
-    """The failure path of a run, whatever failed (a full disk, a bad lake, an exception in
-    SFT): the MLflow run is closed FAILED and the runs row marked failed, each attempted even if
-    the other cannot be written. The caller re-raises (Prefect then marks the flow run Failed)."""
+def stop_status(err: BaseException | None) -> tuple[str, str]:
+    """(runs row status, MLflow run status) of a run ended by ``err``: "interrupted"/KILLED when
+    it was stopped (Ctrl-C, or the SIGTERM Prefect turns into ``TerminationSignal``: `rlake
+    serve` stopping its flow runs), "failed"/FAILED for anything else."""
+    from prefect.exceptions import TerminationSignal
+
+    if isinstance(err, KeyboardInterrupt | TerminationSignal):
+        return "interrupted", "KILLED"
+    return "failed", "FAILED"
+
+
+def fail_run(rt: Runtime, err: BaseException | None = None) -> None:
+    """The failure path of a run, whatever ended it (a full disk, a bad lake, an exception in
+    SFT, a Ctrl-C): the MLflow run is closed and the runs row marked (``stop_status``: a run
+    stopped by the user read "failed" before 2026-11-29), each attempted even if the other
+    cannot be written. The caller re-raises (Prefect then marks the flow run Failed)."""
+    row_status, mlflow_status = stop_status(err)
     try:
-        rt.tracker.finish("FAILED")
-    except Exception as err:  # noqa: BLE001 - the original error is what the user needs
-        rt.report("warning", {"message": f"could not close the MLflow run: {err}"})
+        rt.tracker.finish(mlflow_status)
+    except Exception as e:  # noqa: BLE001 - the original error is what the user needs
+        rt.report("warning", {"message": f"could not close the MLflow run: {e}"})
     try:
-        update_run_row(rt, "failed")
-    except Exception as err:  # noqa: BLE001
-        rt.report("warning", {"message": f"could not mark the run failed in the lake: {err}"})
+        update_run_row(rt, row_status)
+    except Exception as e:  # noqa: BLE001
+        rt.report("warning", {"message": f"could not mark the run {row_status} in the lake: {e}"})
 
 
 def start_or_recover(rt: Runtime, resume: bool) -> None:

@@ -180,8 +180,8 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
             rt.tracker.finish("FINISHED")
             return {"run_id": rt.run_id, "home": str(rt.home), "lake_uri": rt.cfg.resolved_lake_uri,
                     "mlflow_uri": rt.tracker.uri, "checkpoints": str(rt.checkpoint_root)}
-        except BaseException:
-            fail_run(rt)
+        except BaseException as err:
+            fail_run(rt, err)
             raise
 
 

@@ -288,11 +288,19 @@ def test_ctrl_c_in_a_terminal_is_an_interrupt_and_resume_finishes(tmp_path, mode
     assert f"interrupted: `rlake resume ctrlc --home {home}` continues" in text, tail(log)
     assert "error:" not in text, tail(log)
     assert "Traceback" not in text and "could not close the MLflow run" not in text
-    done = rlake(["resume", "ctrlc", "--home", str(home)], cli_env(None), tmp_path / "resume.log")
-    assert done.returncode == 0, tail(tmp_path / "resume.log")
+    from mlflow.tracking import MlflowClient
+
     from buffer import Lake
 
     lake = Lake(str(home / "lake"))
+    # a stopped run is recorded as one (it said failed / FAILED before 2026-11-29)
+    row = lake.get_run("ctrlc")
+    assert row["status"] == "interrupted", row["status"]
+    client = MlflowClient(f"sqlite:///{home}/mlflow/mlflow.db")
+    assert client.get_run(row["mlflow_run_id"]).info.status == "KILLED"
+    done = rlake(["resume", "ctrlc", "--home", str(home)], cli_env(None), tmp_path / "resume.log")
+    assert done.returncode == 0, tail(tmp_path / "resume.log")
+    assert lake.get_run("ctrlc")["status"] == "completed"
     steps = lake.sql("SELECT iteration, count(*) AS n FROM train_steps GROUP BY 1 ORDER BY 1")
     assert steps.column("iteration").to_pylist() == list(range(CTRL_C_ITERATIONS))
     assert set(steps.column("n").to_pylist()) == {1}
@@ -321,3 +329,16 @@ def test_the_calculator_example_runs_as_its_config_says(tmp_path):
     rows = Lake(str(tmp_path / "home" / "lake")).read("trajectories", run_id="calc").to_pylist()
     versions = {(r["iteration"], r["weight_version"]) for r in rows if r["kind"] == "train"}
     assert versions == {(0, 0), (1, 1)}, versions
+
+
+def test_a_run_stopped_by_a_signal_is_recorded_interrupted_an_error_failed():
+    """Prefect raises SIGTERM of a flow-run process (`rlake serve` stopping its runs) as
+    ``TerminationSignal``: such a run, as a Ctrl-C'd one, is interrupted, not failed."""
+    from prefect.exceptions import TerminationSignal
+
+    from flows.durability import stop_status
+
+    assert stop_status(TerminationSignal(signal.SIGTERM)) == ("interrupted", "KILLED")
+    assert stop_status(KeyboardInterrupt()) == ("interrupted", "KILLED")
+    assert stop_status(RuntimeError("disk full")) == ("failed", "FAILED")
+    assert stop_status(None) == ("failed", "FAILED")
