@@ -403,4 +403,4 @@ def sigint_asks(loop: asyncio.AbstractEventLoop, stop_asked: asyncio.Event) -> I
         yield
     finally:
         loop.remove_signal_handler(signal.SIGINT)  # it installs Python's default handler ...
-        signal.signal(signal.SIGINT, before)  # ... not the CLI's (infra/cli.py _note_interrupts)
+        signal.signal(signal.SIGINT, before)  # ... not the CLI's (infra/interrupts.note_interrupts)

@@ -74,6 +74,7 @@ from prefect.context import FlowRunContext, TagsContext
 from prefect.flow_engine import FlowRunEngine
 from prefect.states import Failed, Pending, State
 
+from infra.interrupts import raise_noted_interrupt
 from infra.recovery import PREFETCHED, delete_with_tracker
 
 logger = logging.getLogger(__name__)
@@ -403,15 +404,18 @@ class IterationRuns:
         try:
             if flow_run is None:
                 with tags(*sorted(extra_tags)):
-                    return self.flow(**parameters)
-            held = _FINAL_STATE_HELD.set(True)
-            try:
-                with untagged():
-                    return run_reported(self.flow, flow_run, parameters, self._send, self.hold)
-            finally:
-                _FINAL_STATE_HELD.reset(held)
+                    result = self.flow(**parameters)
+            else:
+                held = _FINAL_STATE_HELD.set(True)
+                try:
+                    with untagged():
+                        result = run_reported(self.flow, flow_run, parameters, self._send, self.hold)
+                finally:
+                    _FINAL_STATE_HELD.reset(held)
         finally:
             self._prefetch_next()  # never Running (failed before): the next creation goes on
+        raise_noted_interrupt()  # a Ctrl-C the flow engine swallowed once the run was final
+        return result
 
     def _running(self, flow, flow_run, state) -> None:
         """The flow's on-running hook: its Running state is written (or queued)."""

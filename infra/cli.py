@@ -154,7 +154,9 @@ def main() -> None:
     """The console script: every failure exits non-zero (2 usage / refused input, 1 other errors,
     130 Ctrl-C); one ``error:`` line, the traceback only with ``--debug``. Output into a pipe
     closed early (``| head -1``) stops the command quietly, as a Unix tool: exit status 141."""
-    _note_interrupts()
+    from infra.interrupts import note_interrupts
+
+    note_interrupts()
     Console.on_broken_pipe = _raise_broken_pipe
     try:
         code = _run_command()
@@ -183,7 +185,9 @@ def _run_command() -> int:
     except Exception as err:  # noqa: BLE001 - one clear line unless --debug
         # a Ctrl-C that landed inside Prefect's engine can come out as another error
         # ("Task run is not set"): still an interrupt
-        return 130 if STATE.get("interrupted") else _fail(err)
+        from infra.interrupts import interrupt_noted
+
+        return 130 if interrupt_noted() else _fail(err)
 
 
 def _raise_broken_pipe(console: Console) -> None:  # noqa: ARG001 - rich's hook signature
@@ -197,18 +201,6 @@ def _stopped_by_closed_pipe(exit_: SystemExit) -> bool:
     """Whether typer ended the command because its output pipe closed: it exits 1 then, with
     sys.stdout wrapped in click's PacifyFlushWrapper (quiet flushes at exit; typer/core.py)."""
     return exit_.code == 1 and "PacifyFlushWrapper" in type(sys.stdout).__name__
-
-
-def _note_interrupts() -> None:
-    """Ctrl-C raises KeyboardInterrupt as before, and is remembered (``STATE["interrupted"]``)."""
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        return  # ignored (a background job) or someone else's: left alone
-
-    def on_sigint(signum: int, frame: object) -> None:
-        STATE["interrupted"] = True
-        signal.default_int_handler(signum, frame)
-
-    signal.signal(signal.SIGINT, on_sigint)
 
 
 def exit_code(result: object) -> int:

@@ -277,10 +277,12 @@ def routed(engine, ckpts, tmp_path):
 
 
 def assert_completed_through_a_new_router(other: SGLangEngine, old, results: list[GenerationResult],
-                                          model: str) -> None:
-    """The batch's requests failed through router ``old``, which was started again once, and
-    completed through the new one, on the weights of ``model``."""
-    assert other.stats["router_restarts"] == 1 and other.stats["request_failures"] >= 1
+                                          model: str, failed_through_old: bool = True) -> None:
+    """The batch's requests failed through router ``old`` (``failed_through_old``; else they
+    may also have been answered by it), which was started again once, and completed through
+    the new one, on the weights of ``model``."""
+    assert other.stats["router_restarts"] == 1, other.stats
+    assert other.stats["request_failures"] >= int(failed_through_old), other.stats
     assert other.router is not old and other.router.alive() and not old.alive()
     assert {r.meta["server"] for r in results} == {other.router_url}
     assert all(r.finish_reason in ("stop", "length") for r in results)
@@ -303,15 +305,22 @@ def test_a_router_that_died_is_started_again_and_the_batch_completes(routed, ckp
 def test_a_hung_router_is_started_again_and_the_batch_completes(routed, ckpts):
     """The sglang-router an engine launched stops answering (SIGSTOP to its group) with a
     batch's requests in flight through it: its monitor finds its ``/health`` unanswered twice,
-    stops it (which fails the requests waiting on it) and starts another in front of the same
-    servers; the requests are re-issued and the batch completes through it, on the right
-    weights. Nothing else would notice: a request waits up to ``request_timeout_s``, an hour."""
+    stops it (which fails the requests waiting on it, or lets it answer them as it exits) and
+    starts another in front of the same servers; failed requests are re-issued and the batch
+    completes, on the right weights. Nothing else would notice: a request waits up to ``request_timeout_s``, an hour."""
     hung = routed.router
     hung.signal_group(signal.SIGSTOP)
     batch = routed.start(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0))
     done, _ = wait(batch.futures, timeout=HANG_GUARD_S)
     assert len(done) == len(PROMPTS), "hang guard: the batch never completed"
-    assert_completed_through_a_new_router(routed, hung, batch.results(), ckpts["a"])
+    # the old router is stopped with SIGTERM + SIGCONT: resumed, it may answer the requests
+    # waiting on it before it exits (a loaded CI machine, 2026-11-29: none failed, and the batch
+    # was done before the new router was up), so the restart is waited for, not assumed done
+    deadline = time.monotonic() + HANG_GUARD_S
+    while routed.stats["router_restarts"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert_completed_through_a_new_router(routed, hung, batch.results(), ckpts["a"],
+                                          failed_through_old=False)
 
 
 def test_a_router_is_moved_to_a_restarted_servers_new_url(engine, tmp_path):
