@@ -156,6 +156,11 @@ def split_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def host_port(host: str, port: int) -> str:
+    """``HOST:PORT``, an IPv6 host in brackets (``[::1]:PORT``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def probe_address(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     """Raise ``ConnectionError`` (one line, naming ``cluster.ray_address``) when nothing accepts
     a TCP connection at the address's HOST:PORT within ``timeout_s``. Ray's own join would retry
@@ -167,8 +172,7 @@ def probe_address(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     except OSError as err:
         reason = (f"no answer within {timeout_s:g} s" if isinstance(err, TimeoutError)
                   else err.strerror or str(err))
-        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        raise ConnectionError(f"cluster.ray_address={address}: nothing answers at {where} "
+        raise ConnectionError(f"cluster.ray_address={address}: nothing answers at {host_port(host, port)} "
                               f"({reason}); start the cluster first (ray start "
                               "--head --port=PORT, docs/cluster.md) or fix the address") from None
 
@@ -190,9 +194,7 @@ def cluster_wants_token(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> boo
         from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
     except ImportError:
         return None
-    host, port = split_address(address)
-    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    with grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)]) as channel:
+    with grpc.insecure_channel(host_port(*split_address(address)), options=[("grpc.enable_http_proxy", 0)]) as channel:
         stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
         try:
             stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infra.modeling import attention_problem
+from infra.modeling import attention_problem, rope_problem
 from infra.qwen2 import apply_rope, rope_tables
 
 
@@ -56,12 +56,8 @@ def unsupported(config) -> str | None:
     log-probs than the trainer's, so such a model takes the generic HF path instead."""
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {config.model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-    rope = _rope_params(config)
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        return f"RoPE type {rope.get('rope_type', rope.get('type'))!r} (only default RoPE)"
-    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
-    if partial not in (None, 1, 1.0):
-        return f"partial_rotary_factor {partial} (RoPE over the whole head only)"
+    if problem := rope_problem(config):
+        return problem
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act {config.hidden_act!r} (only silu)"
     for key in ("attention_bias", "mlp_bias"):  # o_proj (and q/k/v) / gate-up-down biases
@@ -74,11 +70,6 @@ def unsupported(config) -> str | None:
 def supports(config) -> bool:
     """Whether the fast decoder computes ``config``'s forward as HF does (``unsupported``)."""
     return unsupported(config) is None
-
-
-def _rope_params(config) -> dict:
-    """RoPE settings: transformers 5's ``rope_parameters``, else the older ``rope_scaling``."""
-    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
 
 
 def _rope_base(config) -> float:

@@ -175,7 +175,7 @@ class RayEnginePool:
         ``TimeoutError`` naming every engine that did not answer."""
         import ray
 
-        ready, pending = ray.wait(list(refs.values()), num_returns=len(refs),
+        _, pending = ray.wait(list(refs.values()), num_returns=len(refs),
                                   timeout=self.cluster.engine_call_timeout_s)
         if pending:
             late = set(pending)

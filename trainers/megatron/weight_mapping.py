@@ -57,20 +57,15 @@ class ModelShape:
             raise ValueError(f"config.hidden_act={cfg.hidden_act!r}: only 'silu' (SwiGLU) maps")
         if getattr(cfg, "mlp_bias", False):
             raise ValueError("config.mlp_bias=True: MLP biases are not mapped")
-        rope = getattr(cfg, "rope_parameters", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"config rope_type={rope_type!r}: only default RoPE maps")
-        partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
-        if partial not in (None, 1, 1.0):
-            raise ValueError(f"config partial_rotary_factor={partial}: only RoPE over the whole head maps")
         # Llama's attention_bias is on o_proj too, which Megatron would add only with the MLP's
         if model_type == "llama" and getattr(cfg, "attention_bias", False):
             raise ValueError("config.attention_bias=True: Llama's o_proj bias is not mapped")
-        from infra.modeling import attention_problem
+        from infra.modeling import attention_problem, rope_params, rope_problem
 
-        if problem := attention_problem(cfg):  # Megatron's layers attend over the whole prefix
-            raise ValueError(f"config {problem}: the mapping runs full attention only")
+        # as the fast decoder's checks: the mapping's layers run plain RoPE and full attention
+        if problem := rope_problem(cfg) or attention_problem(cfg):
+            raise ValueError(f"config {problem}: the mapping runs plain RoPE and full attention only")
+        rope = rope_params(cfg)
         theta = getattr(cfg, "rope_theta", None) or rope.get("rope_theta", 10000.0)
         heads = cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
