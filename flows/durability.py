@@ -280,10 +280,15 @@ def update_run_row(rt: Runtime, status: str, **extra) -> None:
 def stop_status(err: BaseException | None) -> tuple[str, str]:
     """(runs row status, MLflow run status) of a run ended by ``err``: "interrupted"/KILLED when
     it was stopped (Ctrl-C, or the SIGTERM Prefect turns into ``TerminationSignal``: `rlake
-    serve` stopping its flow runs), "failed"/FAILED for anything else."""
+    serve` stopping its flow runs), "failed"/FAILED for anything else. After a Ctrl-C the CLI
+    noted (``infra.interrupts``) any error is the interrupt's, as the CLI's exit code says (130):
+    in async mode the Ctrl-C also ends the rollout process, and the training side may see that
+    first ("the rollout process exited"; a CI run recorded such a run failed)."""
     from prefect.exceptions import TerminationSignal
 
-    if isinstance(err, KeyboardInterrupt | TerminationSignal):
+    from infra.interrupts import interrupt_noted
+
+    if isinstance(err, KeyboardInterrupt | TerminationSignal) or interrupt_noted():
         return "interrupted", "KILLED"
     return "failed", "FAILED"
 

@@ -342,3 +342,18 @@ def test_a_run_stopped_by_a_signal_is_recorded_interrupted_an_error_failed():
     assert stop_status(KeyboardInterrupt()) == ("interrupted", "KILLED")
     assert stop_status(RuntimeError("disk full")) == ("failed", "FAILED")
     assert stop_status(None) == ("failed", "FAILED")
+
+
+def test_any_error_after_a_noted_ctrl_c_is_the_interrupts():
+    """In async mode a Ctrl-C also ends the rollout process, and the training side may fail on
+    that first ("the rollout process exited"): the run was recorded failed though the CLI exits
+    130 (a CI run, 2026-11-29)."""
+    import infra.interrupts
+    from flows.durability import stop_status
+
+    infra.interrupts._NOTED.set()  # as the CLI's handler does on a Ctrl-C
+    try:
+        assert stop_status(RuntimeError("the rollout process exited (code 1)")) == ("interrupted", "KILLED")
+    finally:
+        infra.interrupts._NOTED.clear()  # the flag is the process's: later tests in it must not see it
+    assert stop_status(RuntimeError("the rollout process exited (code 1)")) == ("failed", "FAILED")
