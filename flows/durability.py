@@ -294,10 +294,12 @@ def stop_status(err: BaseException | None) -> tuple[str, str]:
 
 
 def fail_run(rt: Runtime, err: BaseException | None = None) -> None:
-    """The failure path of a run, whatever ended it (a full disk, a bad lake, an exception in
-    SFT, a Ctrl-C): the MLflow run is closed and the runs row marked (``stop_status``: a run
-    stopped by the user read "failed" before 2026-11-29), each attempted even if the other
-    cannot be written. The caller re-raises (Prefect then marks the flow run Failed)."""
+    """The failure path of a run or a replay, whatever ended it (a full disk, a bad lake, an
+    exception in SFT, a Ctrl-C): the MLflow run is closed and the runs row marked
+    (``stop_status``: a run stopped by the user read "failed" before 2026-11-29), each attempted
+    even if the other cannot be written (a replay's own failure path wrote the row unguarded, so
+    a lake it could not write lost the MLflow run's close and the error that ended it). The
+    caller re-raises (Prefect then marks the flow run Failed)."""
     row_status, mlflow_status = stop_status(err)
     try:
         rt.tracker.finish(mlflow_status)

@@ -28,7 +28,7 @@ from prefect import flow, tags
 from prefect.settings import temporary_settings
 from prefect.utilities.annotations import quote
 
-from flows.durability import owned_run, register_version, start_or_recover, stop_status
+from flows.durability import fail_run, owned_run, register_version, start_or_recover
 from flows.rl import FAST_FLOW_SETTINGS, _flat_params, current_reporter, has_eval, sft_warmup
 from flows.steps import eval_due, phase, run_iterations, train_and_commit
 from infra.checkpoints import rebuild_chain, resume_checkpoint, saved_versions
@@ -163,9 +163,7 @@ def rl_replay(source_run: str, config: dict, run_id: str | None = None, iteratio
                 rt.lake.upsert_run({**row, "status": "completed"})
                 rt.tracker.finish("FINISHED")
             except BaseException as err:
-                row_status, mlflow_status = stop_status(err)
-                rt.lake.upsert_run({**row, "status": row_status})
-                rt.tracker.finish(mlflow_status)
+                fail_run(rt, err)  # as a run's: each record attempted, the error kept
                 raise
         return {"run_id": run_id, "replay_of": source_run, "iterations": n_iterations,
                 "home": str(rt.home), "lake_uri": rt.cfg.resolved_lake_uri, "mlflow_uri": rt.tracker.uri}

@@ -205,38 +205,6 @@ SUPPORTED_MODELS = ("decoder-only causal LMs that transformers' AutoModelForCaus
                     "(Qwen2, Llama, Mistral, Gemma, GPT-2, ...)")
 
 
-def rope_params(config) -> dict:
-    """RoPE settings: transformers 5's ``rope_parameters``, else the older ``rope_scaling``."""
-    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-
-
-def rope_problem(config) -> str | None:
-    """RoPE other than the default over the whole head (a scaled or partial one), named as the
-    config names it; None for plain RoPE. rlake's fast decoder and the Megatron mapping compute
-    plain RoPE only."""
-    rope = rope_params(config)
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        return f"RoPE type {rope.get('rope_type', rope.get('type'))!r} (only default RoPE)"
-    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
-    if partial not in (None, 1, 1.0):
-        return f"partial_rotary_factor {partial} (RoPE over the whole head only)"
-    return None
-
-
-def attention_problem(config) -> str | None:
-    """A layer that does not attend over the whole causal prefix (sliding window), named as the
-    config names it; None if every layer attends over the whole causal prefix. rlake's fast
-    decoder and the Megatron mapping compute full attention only."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        other = sorted({t for t in layer_types if t != "full_attention"})
-        return f"layer_types {other} (full_attention only)" if other else None
-    window = getattr(config, "sliding_window", None)
-    if getattr(config, "use_sliding_window", False) and window is not None:
-        return f"use_sliding_window with sliding_window {window} (full attention only)"
-    return None
-
-
 def check_causal_lm(config, path: str | Path) -> None:
     """Refuse a model that is not a decoder-only causal LM, in one line naming model.path.
 

@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from infra.model_checks import attention_problem, rope_problem
+
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -54,13 +56,14 @@ class ModelConfig(SimpleNamespace):
 
 
 def supports(raw: dict[str, Any]) -> bool:
-    """A plain Qwen2: full attention in every layer, default RoPE, SiLU, no sliding window."""
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    layer_types = raw.get("layer_types") or ["full_attention"]
+    """A plain Qwen2: full attention in every layer, plain RoPE over the whole head
+    (``infra.model_checks``, the fast decoder's and the Megatron mapping's checks), SiLU; a raw
+    ``config.json`` naming ``use_sliding_window`` is refused whatever its window (transformers
+    derives the sliding layers from it)."""
+    config = SimpleNamespace(**raw)
     return (raw.get("model_type") == "qwen2" and raw.get("hidden_act", "silu") == "silu"
-            and params.get("rope_type", params.get("type", "default")) == "default"
             and not raw.get("use_sliding_window", False)
-            and all(t == "full_attention" for t in layer_types))
+            and rope_problem(config) is None and attention_problem(config) is None)
 
 
 def read_config(path: str | Path) -> dict[str, Any] | None:

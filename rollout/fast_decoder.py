@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infra.modeling import attention_problem, rope_problem
+from infra.model_checks import attention_problem, rope_problem
 from infra.qwen2 import apply_rope, rope_tables
 
 

@@ -115,6 +115,13 @@ def test_other_models_and_cuda_stay_on_transformers(folder, tmp_path):
     assert not qwen2.supports(raw | {"model_type": "llama"})
     assert not qwen2.supports(raw | {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
     assert not qwen2.supports(raw | {"layer_types": ["full_attention", "sliding_attention"]})
+    # RoPE over part of each head, or scaled under the older key: transformers computes it, this
+    # module would compute plain RoPE over the whole head (a model other than the checkpoint's)
+    assert not qwen2.supports(raw | {"partial_rotary_factor": 0.5})
+    assert not qwen2.supports(raw | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                         "partial_rotary_factor": 0.5}})
+    assert not qwen2.supports({k: v for k, v in raw.items() if k != "rope_parameters"}
+                              | {"rope_scaling": {"type": "linear", "factor": 2.0}})
     other = tmp_path / "sliding"
     other.mkdir()
     for f in ("model.safetensors", "generation_config.json"):

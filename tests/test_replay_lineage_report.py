@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -134,6 +136,57 @@ def test_a_replay_under_an_existing_run_id_is_refused_and_the_run_kept(source):
     assert (after["status"], after["replay_of"], after["updated_at"]) == (
         before["status"], before["replay_of"], before["updated_at"])
     assert lake.read("train_steps", run_id=SOURCE).num_rows == steps
+
+
+# the CLI with an error injected into a replay once it has started (its row written): the
+# iterations raise; with "unwritable", so does the write of the row's final status
+FAILING_REPLAY = """
+import sys
+import buffer.lake
+import flows.replay
+from infra.cli import main
+
+def fail(*args, **kwargs):
+    raise RuntimeError("injected replay error")
+
+flows.replay.replay_iterations = fail
+if sys.argv[1] == "unwritable":
+    upsert = buffer.lake.Lake.upsert_run
+    def refuse_final(self, row):
+        if row.get("status") not in (None, "running"):
+            raise OSError("injected: the lake refused the row")
+        return upsert(self, row)
+    buffer.lake.Lake.upsert_run = refuse_final
+del sys.argv[1]
+main()
+"""
+
+
+@pytest.mark.parametrize("lake", ["writable", "unwritable"])
+def test_a_replay_that_fails_closes_its_records_and_shows_its_error(source, lake):
+    """A replay ending in an error marks its row failed and closes its MLflow run FAILED, through
+    a run's own failure path (``flows.durability.fail_run``): each record is attempted even if
+    the other cannot be written, and the error shown is the one that ended the replay (its own
+    path wrote the row first, unguarded: a lake refusing it left the MLflow run open and showed
+    the lake's error instead)."""
+    from mlflow.tracking import MlflowClient
+
+    home, url = source
+    run_id, log = f"rep-fails-{lake}", home / f"replay-fails-{lake}.log"
+    with open(log, "w") as out:
+        proc = subprocess.run([sys.executable, "-c", FAILING_REPLAY, lake, "replay", SOURCE,
+                               "--home", str(home), "--iterations", "0:2", "--run-id", run_id],
+                              cwd=ROOT, env=cli_env(url), stdout=out, stderr=subprocess.STDOUT,
+                              timeout=900)
+    text = log.read_text()
+    assert proc.returncode == 1 and "injected replay error" in text, tail(log)
+    row = Lake(str(home / "lake")).get_run(run_id)
+    assert row["replay_of"] == SOURCE
+    assert row["status"] == ("failed" if lake == "writable" else "running")
+    if lake == "unwritable":
+        assert "could not mark the run failed in the lake" in text, tail(log)
+    client = MlflowClient(f"sqlite:///{home}/mlflow/mlflow.db")
+    assert client.get_run(row["mlflow_run_id"]).info.status == "FAILED"
 
 
 def test_replay_killed_then_resumed_equals_an_uninterrupted_replay(source):

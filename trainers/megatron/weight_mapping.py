@@ -60,7 +60,7 @@ class ModelShape:
         # Llama's attention_bias is on o_proj too, which Megatron would add only with the MLP's
         if model_type == "llama" and getattr(cfg, "attention_bias", False):
             raise ValueError("config.attention_bias=True: Llama's o_proj bias is not mapped")
-        from infra.modeling import attention_problem, rope_params, rope_problem
+        from infra.model_checks import attention_problem, rope_params, rope_problem
 
         # as the fast decoder's checks: the mapping's layers run plain RoPE and full attention
         if problem := rope_problem(cfg) or attention_problem(cfg):
