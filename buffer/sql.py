@@ -126,11 +126,20 @@ def check_statements(con: duckdb.DuckDBPyConnection, query: str) -> str:
     return st.query
 
 
+# a query over DuckDB's catalog (``SHOW TABLES``, ``information_schema``, ``duckdb_tables()``)
+# names no lake table, and listed none: it sees them all
+CATALOG_QUERY = re.compile(r"\bSHOW\s+(ALL\s+)?TABLES\b|\binformation_schema\b|"
+                           r"\bduckdb_(tables|views|columns)\b", re.IGNORECASE)
+
+
 def referenced_tables(query: str) -> list[str]:
     """The lake tables ``query`` reads, as DuckDB's parser finds them (case-insensitive): not a
     column alias or a string that spells a table's name (``count(*) AS runs`` had ``--as-of``
     applied to the runs table, and failed on its versions: review, 2026-11-29). A query the
-    parser refuses: the tables named as words (its error comes when it runs)."""
+    parser refuses: the tables named as words (its error comes when it runs). A query over the
+    catalog (``CATALOG_QUERY``): every table (``SHOW TABLES`` answered nothing)."""
+    if CATALOG_QUERY.search(query):
+        return list(TABLES)
     try:
         names = {name.split(".")[-1].lower() for name in duckdb.get_table_names(query)}
     except duckdb.Error:

@@ -36,6 +36,21 @@ def test_sql_returns_arrow_with_pushed_down_filters(lake):
     assert sql(lake, "SELECT count(*) AS n FROM evals").column("n").to_pylist() == [0]
 
 
+def test_the_catalog_lists_every_lake_table(lake):
+    """``SHOW TABLES`` and the catalog's views name no lake table: they answered nothing, as if
+    the lake were empty; the tables are there to list, with their columns."""
+    from buffer.schema import TABLES
+
+    assert sorted(sql(lake, "SHOW TABLES").column("name").to_pylist()) == sorted(TABLES)
+    listed = sql(lake, "SELECT table_name FROM information_schema.tables ORDER BY 1")
+    assert listed.column("table_name").to_pylist() == sorted(TABLES)
+    columns = sql(lake, "SELECT column_name FROM information_schema.columns "
+                        "WHERE table_name = 'runs'").column("column_name").to_pylist()
+    assert {"run_id", "status", "config"} <= set(columns)
+    assert sql(lake, "SELECT count(*) AS n FROM duckdb_views() WHERE NOT internal"
+               ).column("n").to_pylist() == [len(TABLES)]
+
+
 def test_sql_time_travel(lake):
     v = lake.table_version("trajectories")
     assert sql(lake, "SELECT count(*) n FROM trajectories", as_of=v - 1).column(0).to_pylist() == [10]
