@@ -220,7 +220,13 @@ def bf16_slow_tokenizer_qwen(tmp_path_factory) -> Path:
     tok_config = json.loads((out / "tokenizer_config.json").read_text())
     tok_config["tokenizer_class"] = "Qwen2Tokenizer"
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    # a named chat template, in the folder transformers saves them to (tool_use, rag, ...)
+    (out / "additional_chat_templates").mkdir()
+    (out / "additional_chat_templates" / "tool_use.jinja").write_text(TOOL_TEMPLATE)
     return out
+
+
+TOOL_TEMPLATE = "{% for m in messages %}<tool>{{ m['content'] }}</tool>{% endfor %}"
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +253,24 @@ def test_checkpoint_keeps_a_vocab_merges_tokenizer(bf16_slow_tokenizer_qwen, tra
     text = "what is 12+34? <|im_end|> hello"
     assert saved(text)["input_ids"] == base(text)["input_ids"]
     assert saved.eos_token == base.eos_token
+
+
+def test_checkpoints_keep_the_named_chat_templates(bf16_slow_tokenizer_qwen, trainer_checkpoint,
+                                                  tmp_path):
+    """A tokenizer's named chat templates (``additional_chat_templates/*.jinja``) were left out
+    of the checkpoints, of the torch trainer's and of the Megatron trainer's HF export: a run
+    rendering prompts with one found none in its own checkpoints."""
+    from transformers import AutoTokenizer
+
+    from trainers.megatron.trainer import write_hf_checkpoint
+
+    exported = tmp_path / "megatron-export"
+    write_hf_checkpoint({"w": torch.zeros(1)}, str(bf16_slow_tokenizer_qwen), exported)
+    for folder in (trainer_checkpoint, exported):
+        assert (folder / "additional_chat_templates" / "tool_use.jinja").read_text() == TOOL_TEMPLATE
+    saved = AutoTokenizer.from_pretrained(trainer_checkpoint)
+    templates = saved.chat_template if isinstance(saved.chat_template, dict) else {}
+    assert templates.get("tool_use") == TOOL_TEMPLATE, saved.chat_template
 
 
 def test_checkpoint_config_dtype_is_the_weights_dtype(trainer_checkpoint):

@@ -52,6 +52,11 @@ def cpu_copy(obj: Any, memo: dict | None = None) -> Any:
     return obj
 
 
+# the folder of a tokenizer's named chat templates (``<name>.jinja``: transformers' tool_use,
+# rag, ...), beside its chat_template.jinja
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+
+
 def read_files(folder: Path, names: tuple[str, ...]) -> dict[str, bytes]:
     """The bytes of those of ``names`` that exist in ``folder``."""
     return {n: (folder / n).read_bytes() for n in names if (folder / n).is_file()}
@@ -112,7 +117,8 @@ def write_snapshot(snap: Snapshot, final: Path, hold: bool = False) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     snap.model.save_pretrained(tmp, state_dict=dict(snap.weights))
     fault_point("during_background_write", snap.iteration, hold=hold)
-    for name, data in snap.files.items():
+    for name, data in snap.files.items():  # a name may have a folder (CHAT_TEMPLATE_DIR)
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp / name).write_bytes(data)
     for name, obj in snap.torch_files.items():
         torch.save(obj, tmp / name)

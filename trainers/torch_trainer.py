@@ -26,7 +26,7 @@ from trainers import algorithms as alg
 from trainers import losses
 from trainers.adamw import Optimizer, make_adamw
 from trainers.base import PaddedBatch, TrainBatch, pad_batch
-from trainers.checkpoint import CheckpointWriter, Snapshot, read_files
+from trainers.checkpoint import CHAT_TEMPLATE_DIR, CheckpointWriter, Snapshot, read_files
 from trainers.critic import (
     CRITIC_FILE,
     ValueModel,
@@ -52,8 +52,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def tokenizer_file_names(folder: Path) -> tuple[str, ...]:
-    """``TOKENIZER_FILES`` and any ``*.tiktoken`` file ``folder`` has (named by the model)."""
-    return tuple(dict.fromkeys([*TOKENIZER_FILES, *(p.name for p in folder.glob("*.tiktoken"))]))
+    """``TOKENIZER_FILES``, any ``*.tiktoken`` file ``folder`` has (named by the model) and the
+    named chat templates transformers keeps in ``CHAT_TEMPLATE_DIR`` (relative paths)."""
+    templates = sorted(p.relative_to(folder).as_posix()
+                       for p in (folder / CHAT_TEMPLATE_DIR).glob("*.jinja"))
+    return tuple(dict.fromkeys([*TOKENIZER_FILES, *(p.name for p in folder.glob("*.tiktoken")),
+                                *templates]))
 
 
 def response_logprobs(model: torch.nn.Module, pb: PaddedBatch, temperature: float = 1.0,

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from trainers import algorithms as alg
 from trainers.base import PaddedBatch, TrainBatch, pad_batch
+from trainers.checkpoint import CHAT_TEMPLATE_DIR
 from trainers.losses import micro_weight
 from trainers.megatron import losses
 from trainers.megatron.gpu import step_spans
@@ -71,6 +72,8 @@ def write_hf_checkpoint(hf_state: dict[str, torch.Tensor], source_dir: str, out_
         if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.name != \
                 "model.safetensors.index.json":
             shutil.copy(f, out_dir / f.name)
+    if (templates := Path(source_dir) / CHAT_TEMPLATE_DIR).is_dir():  # named chat templates
+        shutil.copytree(templates, out_dir / CHAT_TEMPLATE_DIR, dirs_exist_ok=True)
     # copy=True: hf_state may hold views of live (or one shared) storage; safetensors wants
     # each tensor in memory of its own
     save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in hf_state.items()},
