@@ -494,6 +494,11 @@ class RunConfig(_Section):
         trained the policy loss)."""
         trainer = self.trainer
         if trainer.backend != "megatron":
+            for key in MEGATRON_PARALLEL_SIZES[:2]:  # was ignored: one unsplit model trained
+                if (size := getattr(trainer, key)) > 1:
+                    raise ValueError(f"trainer.{key}={size} needs trainer.backend 'megatron' "
+                                     f"(the {trainer.backend} trainer does not split the model: "
+                                     "use 1)")
             return self
         if trainer.loss_type != "policy_loss":
             raise ValueError(f"trainer.loss_type '{trainer.loss_type}' is not supported by "

@@ -193,6 +193,15 @@ def test_megatron_pipeline_parallel_refused_on_device_cpu():
     assert "trainer.pipeline_model_parallel_size=2" in message and "GPU" in message
 
 
+@pytest.mark.parametrize("key", ["tensor_model_parallel_size", "pipeline_model_parallel_size"])
+def test_model_parallel_sizes_need_the_megatron_backend(key):
+    """The torch trainer trains one unsplit model: a TP or PP size asked of it was ignored."""
+    message = _refused([f"trainer.{key}=2"])
+    assert message.startswith(f"bad config value for 'trainer.{key}'"), message
+    assert "needs trainer.backend 'megatron'" in message
+    load_config(QUICKSTART, [f"trainer.{key}=1"])
+
+
 def test_startup_check_reads_the_model_folders_heads(tmp_path):
     from infra.config import TinyModelConfig
     from infra.modeling import tiny_model
