@@ -69,6 +69,22 @@ def first_logged_version(dt: DeltaTable) -> int | None:
     return min(versions, default=None)
 
 
+VACUUMED_LOG = ("vacuum removes log entries older than the table's log retention, 30 days by "
+                "default")
+
+
+def _first_version_after(dt: DeltaTable, when: datetime) -> int | None:
+    """The version ``dt`` was loaded at, if it is the oldest its log holds and was committed
+    after ``when`` (the time of its commit file, which time travel goes by): ``when`` is before
+    anything the log knows. None otherwise, and for a table that is not local."""
+    first = first_logged_version(dt)
+    if first is None or dt.version() != first:
+        return None
+    commit = os.path.join(delta.local_path(dt.table_uri), "_delta_log", f"{first:020d}.json")
+    committed = datetime.fromtimestamp(os.path.getmtime(commit), UTC)
+    return first if committed > when else None
+
+
 def slice_lake_version(table: pa.Table) -> int | None:
     """The ``trajectories`` Delta version a ``training_slice`` result was read at."""
     meta = table.schema.metadata or {}
@@ -215,9 +231,14 @@ class Lake:
             first = first_logged_version(dt)
             if isinstance(when, int) and first is not None and when < first:
                 raise ValueError(f"{table} has no version {when} any more: its log starts at "
-                                 f"version {first} (vacuum removes log entries older than the "
-                                 "table's log retention, 30 days by default)") from None
+                                 f"version {first} ({VACUUMED_LOG})") from None
             raise ValueError(f"{table}: cannot read as of {as_of!r}: {e}") from None
+        if isinstance(when, datetime) and (first := _first_version_after(dt, when)) is not None:
+            # deltalake loads the oldest version it has for a time before it, silently
+            if first == 0:
+                return None  # the table did not exist yet: read as the empty table
+            raise ValueError(f"{table} has no version as of {when.isoformat()} any more: its log "
+                             f"starts at version {first}, committed later ({VACUUMED_LOG})")
         return dt
 
     def table_version(self, table: str) -> int | None:

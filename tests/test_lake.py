@@ -14,6 +14,7 @@ from deltalake import DeltaTable, write_deltalake
 from buffer import SCHEMA_VERSION, Lake, slice_lake_version
 from buffer.maintenance import compact, history, vacuum
 from buffer.schema import TABLES, arrow_schema, rows_to_table
+from buffer.sql import sql
 from buffer.synth import synthetic_rows
 from rollout.sample import Sample, Status
 
@@ -271,6 +272,17 @@ def test_vacuum_removes_log_entries_past_the_log_retention(lake):
     with pytest.raises(ValueError, match=rf"trajectories has no version {versions[0]} any more: its "
                                          rf"log starts at version {checkpoints[1]}"):
         lake.read("trajectories", as_of=versions[0])
+    # a time: the version then, while the log reaches back to it; before that, deltalake loaded
+    # the oldest version left and the read answered with it, silently (review, 2026-11-29)
+    def days_ago(days: float) -> str:
+        return datetime.fromtimestamp(time.time() - days * 86400, UTC).isoformat()
+
+    assert lake.read("trajectories", as_of=days_ago(39)).num_rows == 4 * appended_by
+    with pytest.raises(ValueError, match=rf"trajectories has no version as of .* any more: its log "
+                                         rf"starts at version {checkpoints[1]}, committed later"):
+        lake.read("trajectories", as_of=days_ago(41))
+    with pytest.raises(ValueError, match="committed later"):
+        sql(lake, "SELECT count(*) FROM trajectories", as_of=days_ago(41))
 
 
 def test_vacuum_leaves_a_live_writers_file_until_it_is_an_hour_old(lake):
