@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import unquote
+
+import pyarrow as pa
 
 from buffer.delta import ROW_GROUP_SIZE, is_local, local_path, upgrade_properties, writer_properties
 from buffer.lake import Lake
@@ -45,6 +48,35 @@ SORT_COLUMNS: dict[str, list[str]] = {
     "train_steps": ["base_version"],
     "evals": ["weight_version"],
 }
+
+
+def partitions_to_sort(dt, run_id: str | None) -> list[str | None]:
+    """The partitions (``run_id`` values; ``[None]``: the whole of an unpartitioned table) with
+    more than one file, of those ``run_id`` names (None: all). One file is as a compaction left
+    it, or one batch: delta-rs's Z-order rewrote such a partition at every compaction, so each
+    of ``rlake serve``'s (every 6 h) kept another copy of every finished run's rows until vacuum
+    (7 days) (review, 2026-11-29)."""
+    actions = pa.table(dt.get_add_actions(flatten=True))
+    column = "partition.run_id"
+    if column not in actions.column_names:  # not partitioned
+        return [None] if actions.num_rows > 1 else []
+    counts = Counter(actions.column(column).to_pylist())
+    return sorted(r for r, n in counts.items() if n > 1 and (run_id is None or r == run_id))
+
+
+def _sorted_compaction(dt, cols: list[str], run_id: str | None, target_size: int,
+                       props) -> dict[str, Any]:
+    """A one-column Z-order (a sort) of each partition ``partitions_to_sort`` names, one commit
+    each; the metrics summed (``partitionsOptimized``: how many)."""
+    totals: dict[str, Any] = {"numFilesAdded": 0, "numFilesRemoved": 0, "partitionsOptimized": 0}
+    for partition in partitions_to_sort(dt, run_id):
+        parts = None if partition is None else [("run_id", "=", partition)]
+        metrics = dt.optimize.z_order(cols, partition_filters=parts, target_size=target_size,
+                                      writer_properties=props)
+        for key in ("numFilesAdded", "numFilesRemoved"):
+            totals[key] += metrics[key]
+        totals["partitionsOptimized"] += 1
+    return totals
 
 
 def _table_or_error(lake: Lake, table: str):
@@ -77,8 +109,9 @@ def compact(lake: Lake, table: str = "trajectories", run_id: str | None = None,
     """Rewrite ``table``'s small files (one run's partition if ``run_id``); return the metrics.
 
     ``max_row_group_size`` defaults to ``ROW_GROUP_ROWS`` for the table, else ``ROW_GROUP_SIZE``.
-    ``sort`` orders rewritten rows by ``SORT_COLUMNS[table]`` (a one-column Z-order, i.e. a sort);
-    otherwise files are bin-packed as they are. ``checkpoint`` writes a Delta checkpoint after,
+    ``sort`` orders rewritten rows by ``SORT_COLUMNS[table]`` (a one-column Z-order, i.e. a sort)
+    in each partition with more than one file (``partitions_to_sort``: one commit each, and none
+    when every partition is one file); otherwise files are bin-packed as they are. ``checkpoint`` writes a Delta checkpoint after,
     so opening the table reads one Parquet file instead of every JSON commit. A table an older
     rlake created gets the current Delta properties first (``delta.upgrade_properties``).
     """
@@ -91,8 +124,7 @@ def compact(lake: Lake, table: str = "trajectories", run_id: str | None = None,
         parts = [("run_id", "=", run_id)] if run_id is not None and table == "trajectories" else None
         cols = SORT_COLUMNS.get(table) if sort else None
         if cols:
-            metrics = dt.optimize.z_order(cols, partition_filters=parts, target_size=target_size,
-                                          writer_properties=props)
+            metrics = _sorted_compaction(dt, cols, run_id, target_size, props)
         else:
             metrics = dt.optimize.compact(partition_filters=parts, target_size=target_size,
                                           writer_properties=props)
