@@ -50,17 +50,24 @@ SORT_COLUMNS: dict[str, list[str]] = {
 }
 
 
+def _partition_files(dt) -> Counter | None:
+    """Files per ``run_id`` partition of ``dt``; None for an unpartitioned table."""
+    actions = pa.table(dt.get_add_actions(flatten=True))
+    column = "partition.run_id"
+    if column not in actions.column_names:
+        return None
+    return Counter(actions.column(column).to_pylist())
+
+
 def partitions_to_sort(dt, run_id: str | None) -> list[str | None]:
     """The partitions (``run_id`` values; ``[None]``: the whole of an unpartitioned table) with
     more than one file, of those ``run_id`` names (None: all). One file is as a compaction left
     it, or one batch: delta-rs's Z-order rewrote such a partition at every compaction, so each
     of ``rlake serve``'s (every 6 h) kept another copy of every finished run's rows until vacuum
     (7 days) (review, 2026-11-29)."""
-    actions = pa.table(dt.get_add_actions(flatten=True))
-    column = "partition.run_id"
-    if column not in actions.column_names:  # not partitioned
-        return [None] if actions.num_rows > 1 else []
-    counts = Counter(actions.column(column).to_pylist())
+    counts = _partition_files(dt)
+    if counts is None:  # not partitioned
+        return [None] if len(dt.file_uris()) > 1 else []
     return sorted(r for r, n in counts.items() if n > 1 and (run_id is None or r == run_id))
 
 
@@ -122,6 +129,8 @@ def compact(lake: Lake, table: str = "trajectories", run_id: str | None = None,
         upgrade_properties(dt, table)
         props = writer_properties(max_row_group_size or ROW_GROUP_ROWS.get(table, ROW_GROUP_SIZE))
         parts = [("run_id", "=", run_id)] if run_id is not None and table == "trajectories" else None
+        if parts and run_id not in (_partition_files(dt) or {}):  # it said nothing, exit 0
+            raise ValueError(f"run {run_id!r} has no rows in {table}: nothing to compact")
         cols = SORT_COLUMNS.get(table) if sort else None
         if cols:
             metrics = _sorted_compaction(dt, cols, run_id, target_size, props)
@@ -136,8 +145,9 @@ def compact(lake: Lake, table: str = "trajectories", run_id: str | None = None,
 def vacuum(lake: Lake, table: str = "trajectories", retention_hours: int = DEFAULT_RETENTION_HOURS,
            dry_run: bool = False) -> list[str]:
     """Delete files removed from the table more than ``retention_hours`` ago, and files no
-    commit names older than ``max(retention_hours, ORPHAN_MIN_HOURS)``; returns the files (to
-    be) deleted.
+    commit names older than ``max(retention_hours, ORPHAN_MIN_HOURS)``, then the log's entries
+    past its retention (``_clean_log``); returns the files (to be) deleted, the log's
+    (``_delta_log/...``) last (a dry run lists data files only).
 
     A retention under the table's ``delta.deletedFileRetentionDuration`` (7 days by default) is
     accepted: the caller chose it explicitly.
@@ -162,8 +172,17 @@ def vacuum(lake: Lake, table: str = "trajectories", retention_hours: int = DEFAU
         if dry_run:
             return files if files is not None else expired(dry=True)
         deleted = expired(dry=False)
-        dt.cleanup_metadata()
-        return files if files is not None else deleted
+        return (files if files is not None else deleted) + _clean_log(lake, table, dt)
+
+
+def _clean_log(lake: Lake, table: str, dt) -> list[str]:
+    """Remove the log's entries past its retention (``cleanup_metadata``); the ones removed
+    (``_delta_log/...``: vacuum said "deleted 0 files" when it removed only those), known for a
+    local table only."""
+    log = os.path.join(local_path(lake.table_uri(table)), "_delta_log") if is_local(lake.uri) else None
+    before = set(os.listdir(log)) if log else set()
+    dt.cleanup_metadata()
+    return [f"_delta_log/{name}" for name in sorted(before - set(os.listdir(log)))] if log else []
 
 
 def _still_there(lake: Lake, table: str, files: list[str]) -> list[str]:

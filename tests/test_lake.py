@@ -261,6 +261,8 @@ def test_compaction_sorts_only_partitions_with_more_than_one_file(lake):
     third = compact(lake)
     assert (third["partitionsOptimized"], third["numFilesRemoved"], third["numFilesAdded"]) == (1, 2, 1)
     assert compact(lake, "trajectories", run_id="a")["numFilesRemoved"] == 0
+    with pytest.raises(ValueError, match="run 'nosuch' has no rows in trajectories"):
+        compact(lake, "trajectories", run_id="nosuch")  # it printed zero metrics, exit 0
     table = lake.read("trajectories")
     assert table.num_rows == 56 and len(set(table.column("sample_uid").to_pylist())) == 56
     # still sorted: run b's one file holds its rows by weight_version
@@ -287,7 +289,11 @@ def test_vacuum_removes_log_entries_past_the_log_retention(lake):
     for entry in entries:  # expired: everything up to the second checkpoint
         if entry.name[:20].isdigit() and int(entry.name[:20]) <= checkpoints[1]:
             os.utime(entry, (forty_days_ago, forty_days_ago))
-    vacuum(lake, retention_hours=168)
+    deleted = vacuum(lake, retention_hours=168)
+    gone = {e.name for e in entries} - {e.name for e in log.iterdir()}
+    # reported among the files deleted (it said "deleted 0 files")
+    assert gone and [f for f in deleted if f.startswith("_delta_log/")] == [
+        f"_delta_log/{name}" for name in sorted(gone)]
     left = sorted(int(e.name[:20]) for e in log.iterdir() if e.name.endswith(".json"))
     assert left == list(range(checkpoints[1], versions[-1] + 1))  # from the last expired checkpoint
     assert lake.read("trajectories").num_rows == 4 * len(versions)
