@@ -59,24 +59,23 @@ def _partition_files(dt) -> Counter | None:
     return Counter(actions.column(column).to_pylist())
 
 
-def partitions_to_sort(dt, run_id: str | None) -> list[str | None]:
+def partitions_to_sort(dt, counts: Counter | None, run_id: str | None) -> list[str | None]:
     """The partitions (``run_id`` values; ``[None]``: the whole of an unpartitioned table) with
-    more than one file, of those ``run_id`` names (None: all). One file is as a compaction left
-    it, or one batch: delta-rs's Z-order rewrote such a partition at every compaction, so each
-    of ``rlake serve``'s (every 6 h) kept another copy of every finished run's rows until vacuum
-    (7 days) (review, 2026-11-29)."""
-    counts = _partition_files(dt)
+    more than one file (``counts``: ``_partition_files(dt)``), of those ``run_id`` names (None:
+    all). One file is as a compaction left it, or one batch: delta-rs's Z-order rewrote such a
+    partition at every compaction, so each of ``rlake serve``'s (every 6 h) kept another copy of
+    every finished run's rows until vacuum (7 days) (review, 2026-11-29)."""
     if counts is None:  # not partitioned
         return [None] if len(dt.file_uris()) > 1 else []
     return sorted(r for r, n in counts.items() if n > 1 and (run_id is None or r == run_id))
 
 
-def _sorted_compaction(dt, cols: list[str], run_id: str | None, target_size: int,
+def _sorted_compaction(dt, cols: list[str], partitions: list[str | None], target_size: int,
                        props) -> dict[str, Any]:
-    """A one-column Z-order (a sort) of each partition ``partitions_to_sort`` names, one commit
-    each; the metrics summed (``partitionsOptimized``: how many)."""
+    """A one-column Z-order (a sort) of each of ``partitions`` (``partitions_to_sort``), one
+    commit each; the metrics summed (``partitionsOptimized``: how many)."""
     totals: dict[str, Any] = {"numFilesAdded": 0, "numFilesRemoved": 0, "partitionsOptimized": 0}
-    for partition in partitions_to_sort(dt, run_id):
+    for partition in partitions:
         parts = None if partition is None else [("run_id", "=", partition)]
         metrics = dt.optimize.z_order(cols, partition_filters=parts, target_size=target_size,
                                       writer_properties=props)
@@ -118,8 +117,9 @@ def compact(lake: Lake, table: str = "trajectories", run_id: str | None = None,
     ``max_row_group_size`` defaults to ``ROW_GROUP_ROWS`` for the table, else ``ROW_GROUP_SIZE``.
     ``sort`` orders rewritten rows by ``SORT_COLUMNS[table]`` (a one-column Z-order, i.e. a sort)
     in each partition with more than one file (``partitions_to_sort``: one commit each, and none
-    when every partition is one file); otherwise files are bin-packed as they are. ``checkpoint`` writes a Delta checkpoint after,
-    so opening the table reads one Parquet file instead of every JSON commit. A table an older
+    when every partition is one file); otherwise files are bin-packed as they are.
+    ``checkpoint`` writes a Delta checkpoint after, so opening the table reads one Parquet file
+    instead of every JSON commit. A table an older
     rlake created gets the current Delta properties first (``delta.upgrade_properties``).
     """
     with lake._lock, compaction_lock(lake, table):
@@ -129,11 +129,13 @@ def compact(lake: Lake, table: str = "trajectories", run_id: str | None = None,
         upgrade_properties(dt, table)
         props = writer_properties(max_row_group_size or ROW_GROUP_ROWS.get(table, ROW_GROUP_SIZE))
         parts = [("run_id", "=", run_id)] if run_id is not None and table == "trajectories" else None
-        if parts and run_id not in (_partition_files(dt) or {}):  # it said nothing, exit 0
+        counts = _partition_files(dt)
+        if parts and run_id not in (counts or {}):  # it said nothing, exit 0
             raise ValueError(f"run {run_id!r} has no rows in {table}: nothing to compact")
         cols = SORT_COLUMNS.get(table) if sort else None
         if cols:
-            metrics = _sorted_compaction(dt, cols, run_id, target_size, props)
+            metrics = _sorted_compaction(dt, cols, partitions_to_sort(dt, counts, run_id),
+                                         target_size, props)
         else:
             metrics = dt.optimize.compact(partition_filters=parts, target_size=target_size,
                                           writer_properties=props)

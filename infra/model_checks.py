@@ -11,6 +11,13 @@ def rope_params(config) -> dict:
     return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
 
 
+def rope_theta(config) -> float:
+    """RoPE's base: ``rope_parameters["rope_theta"]`` (transformers 5), else the config's own
+    ``rope_theta``, else 10000."""
+    return float(rope_params(config).get("rope_theta") or getattr(config, "rope_theta", None)
+                 or 10000.0)
+
+
 def rope_problem(config) -> str | None:
     """RoPE other than the default over the whole head (a scaled or partial one), named as the
     config names it; None for plain RoPE. rlake's fast decoder, its Qwen2 module and the Megatron

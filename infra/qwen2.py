@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from infra.model_checks import attention_problem, rope_problem
+from infra.model_checks import attention_problem, rope_problem, rope_theta
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -45,8 +45,7 @@ class ModelConfig(SimpleNamespace):
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         config = cls(**raw)
         config.head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
-        params = raw.get("rope_parameters") or {}
-        config.rope_theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        config.rope_theta = rope_theta(config)
         config.layer_types = raw.get("layer_types") or ["full_attention"] * raw["num_hidden_layers"]
         config._raw_keys = list(raw)
         return config

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infra.model_checks import attention_problem, rope_problem
+from infra.model_checks import attention_problem, rope_problem, rope_theta
 from infra.qwen2 import apply_rope, rope_tables
 
 
@@ -72,11 +72,6 @@ def supports(config) -> bool:
     return unsupported(config) is None
 
 
-def _rope_base(config) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-
-
 class FastDecoder:
     """Prefill + one-token decode steps over a preallocated KV cache [L, B, kvh, T, d]."""
 
@@ -89,7 +84,7 @@ class FastDecoder:
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.eps = cfg.rms_norm_eps
-        self.rope_base = _rope_base(cfg)
+        self.rope_base = rope_theta(cfg)
         self.n_layers = cfg.num_hidden_layers
         sd = {k: v.detach() for k, v in model.state_dict().items()}
         self.embed = sd["model.embed_tokens.weight"]

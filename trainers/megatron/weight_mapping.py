@@ -60,13 +60,11 @@ class ModelShape:
         # Llama's attention_bias is on o_proj too, which Megatron would add only with the MLP's
         if model_type == "llama" and getattr(cfg, "attention_bias", False):
             raise ValueError("config.attention_bias=True: Llama's o_proj bias is not mapped")
-        from infra.model_checks import attention_problem, rope_params, rope_problem
+        from infra.model_checks import attention_problem, rope_problem, rope_theta
 
         # as the fast decoder's checks: the mapping's layers run plain RoPE and full attention
         if problem := rope_problem(cfg) or attention_problem(cfg):
             raise ValueError(f"config {problem}: the mapping runs plain RoPE and full attention only")
-        rope = rope_params(cfg)
-        theta = getattr(cfg, "rope_theta", None) or rope.get("rope_theta", 10000.0)
         heads = cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
         if heads % kv:
@@ -79,7 +77,7 @@ class ModelShape:
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             ffn_hidden_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
             tie_word_embeddings=bool(cfg.tie_word_embeddings), qkv_bias=qkv_bias,
-            rope_theta=float(theta), rms_norm_eps=float(cfg.rms_norm_eps),
+            rope_theta=rope_theta(cfg), rms_norm_eps=float(cfg.rms_norm_eps),
             max_position_embeddings=int(cfg.max_position_embeddings),
         )
 
