@@ -289,6 +289,7 @@ class Tracker:
                 EXPERIMENT, artifact_location=(root / "artifacts").as_uri())
         self.run_id: str | None = None
         self._registered: dict[str, dict[int, str]] = {}  # model name -> its weight versions
+        self._artifact_dirs: dict[str, Path | None] = {}  # MLflow run -> its local artifact folder
         self._sender = _Sender(self.client, LINGER_S)
 
     def start(self, run_name: str, params: dict[str, str], tags: dict[str, str],
@@ -399,13 +400,32 @@ class Tracker:
         if weight_version in registered:
             return registered[weight_version]
         folder = f"checkpoints/v{weight_version:06d}"
-        self.client.log_text(self.run_id, json.dumps(tags, indent=1), f"{folder}/checkpoint.json")
+        self._log_text(json.dumps(tags, indent=1), f"{folder}/checkpoint.json")
         if not registered and self.client.search_registered_models(f"name='{name}'") == []:
             self.client.create_registered_model(name, tags={"run": rlake_run_id})
         mv = self.client.create_model_version(name, f"runs:/{self.run_id}/{folder}",
                                               run_id=self.run_id, tags=tags)
         registered[weight_version] = mv.version
         return mv.version
+
+    def _log_text(self, text: str, artifact_file: str) -> None:
+        """``MlflowClient.log_text`` for this run: written straight into the run's artifact
+        folder when it is local (every rlake home's is), else through MLflow. MLflow's own
+        writes the text to a temporary folder, copies it in and removes the folder: about a
+        quarter of the tracker's CPU when it ran once per weight version (py-spy, async mode,
+        2026-12-01), on the core the rollout side and Prefect's server share."""
+        if self.run_id not in self._artifact_dirs:
+            self._artifact_dirs[self.run_id] = _local_path(
+                self.client.get_run(self.run_id).info.artifact_uri)
+        root = self._artifact_dirs[self.run_id]
+        if root is None:
+            self.client.log_text(self.run_id, text, artifact_file)
+            return
+        path = root / artifact_file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(text)
+        os.replace(partial, path)  # whole or absent, as MLflow's copy-in is not
 
     def _model_versions(self, name: str) -> dict[int, str]:
         """Weight version -> MLflow version of model ``name``: searched once per process, then
