@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 
 from infra.config import ClusterConfig, RunConfig, megatron_world_size
+from infra.paths import write_text_atomic
 
 BOOTSTRAP_NAME = "ray_bootstrap_config.yaml"
 LOCAL_PROVIDER = {"provider": {"type": "local"}}
@@ -66,11 +67,9 @@ def ensure_bootstrap_guard(path: Path | None = None) -> Path:
             raise RuntimeError(f"{path} has no provider.type: Ray would probe cloud-metadata "
                                "addresses; add 'provider: {type: local}' to it")
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text("# written by rlake (infra/cluster.py): tells Ray's dashboard the provider, so\n"
-                   "# it never asks cloud-metadata addresses\n" + yaml.safe_dump(LOCAL_PROVIDER))
-    os.replace(tmp, path)
+    write_text_atomic(path, "# written by rlake (infra/cluster.py): tells Ray's dashboard the "
+                      "provider, so\n# it never asks cloud-metadata addresses\n"
+                      + yaml.safe_dump(LOCAL_PROVIDER))
     return path
 
 

@@ -9,6 +9,15 @@ import os
 from pathlib import Path
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """``path.write_text(text)`` whole or not at all: written under a temporary name beside it
+    (``.NAME.PID.tmp``), then renamed over it in one step; its folder is made first."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _absolute(path: str, base: Path) -> str:
     return str((base / os.path.expanduser(path)).resolve())
 

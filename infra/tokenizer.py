@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from infra.db_template import cache_dir
+from infra.paths import write_text_atomic
 
 # what AutoTokenizer reads (config.json: it picks the tokenizer class from the model type)
 SOURCE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -128,13 +128,10 @@ def cacheable(tokenizer: Any) -> bool:
 
 def save_entry(entry: Path, tokenizer: Any) -> None:
     """Write ``tokenizer``'s backend and ids to ``entry`` (temporary name, then one rename)."""
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({
+    write_text_atomic(entry, json.dumps({
         "backend": tokenizer.backend_tokenizer.to_str(),
         "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id}))
-    os.replace(tmp, entry)
 
 
 def load_tokenizer(folder: str | Path) -> Any:

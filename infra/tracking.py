@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
 from infra import db_template
+from infra.paths import write_text_atomic
 
 if TYPE_CHECKING:  # imported where used: infra.tracker_process imports this module without them
     from mlflow.entities import Metric
@@ -421,11 +422,7 @@ class Tracker:
         if root is None:
             self.client.log_text(self.run_id, text, artifact_file)
             return
-        path = root / artifact_file
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.partial")
-        partial.write_text(text)
-        os.replace(partial, path)  # whole or absent, as MLflow's copy-in is not
+        write_text_atomic(root / artifact_file, text)  # whole or absent, as MLflow's copy-in is not
 
     def _model_versions(self, name: str) -> dict[int, str]:
         """Weight version -> MLflow version of model ``name``: searched once per process, then
