@@ -36,7 +36,7 @@ import queue
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from functools import partial
 
 import pyarrow as pa
@@ -52,7 +52,6 @@ from flows.steps import (
     settle_commit,
     train_and_commit,
 )
-from infra.affinity import training_cores
 from infra.faults import fault_point, set_iteration
 from infra.recovery import run_tag
 from infra.runtime import Runtime
@@ -237,17 +236,13 @@ def _slice_of_sent(rt: Runtime, weight_version: int, rows: pa.Table, batch: int,
 @contextmanager
 def rollout_process(rt: Runtime) -> Iterator[RolloutProcess | None]:
     """Async mode: the rollout side's process, started now (it loads while the training side
-    warms up; it generates nothing before the first hand-off) and stopped on exit; meanwhile
-    (``pin_cores``) this process has its own cores and its children the others
-    (infra/affinity.py). Sync: None."""
+    warms up; it generates nothing before the first hand-off) and stopped on exit. Sync: None."""
     if rt.cfg.mode != "async":
         yield None
         return
     producer = RolloutProcess(rt).start(current_api_url())
-    pin = rt.cfg.pin_cores and rt.cfg.cluster.ray_address is None  # Ray places its own workers
     try:
-        with training_cores(rt.cfg.torch_threads) if pin else nullcontext():
-            yield producer
+        yield producer
     finally:
         producer.stop()
 

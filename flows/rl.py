@@ -22,6 +22,8 @@ resume, ``flows.durability`` reuses trajectories already in the lake and repairs
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 from prefect import flow, tags
 from prefect.settings import temporary_settings
@@ -45,8 +47,10 @@ from flows.steps import (
     settle_commit,
     train_and_commit,
 )
+from infra.affinity import training_cores
 from infra.config import RunConfig, config_from_dict, flat_config
 from infra.faults import fault_point, set_iteration
+from infra.modeling import resolve_device
 from infra.recovery import run_tag
 from infra.runtime import Runtime, runtime_for
 from rollout.sample import Status
@@ -159,7 +163,7 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
             start_or_recover(rt, resume)
             # every subflow run carries the tag; async mode's rollout process starts now, so
             # that its start-up overlaps the warm-up
-            with tags(run_tag(rt.run_id)), rollout_process(rt) as producer:
+            with tags(run_tag(rt.run_id)), rollout_process(rt) as producer, run_cores(rt.cfg):
                 if rt.start_iteration == 0 and not rt.checkpoint_dir(0).exists():
                     if rt.cfg.sft.enabled and rt.cfg.sft.steps > 0:
                         reporter("sft_start", {"steps": rt.cfg.sft.steps})
@@ -183,6 +187,32 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
         except BaseException as err:
             fail_run(rt, err)
             raise
+
+
+def pins_cores(cfg: RunConfig, device: str) -> bool:
+    """Whether a run pins its processes (``pin_cores``, infra/affinity.py: the training process
+    on ``torch_threads`` cores of its own, its child processes on the others). Never with Ray
+    (it places its own workers). Async mode: yes (the rollout side is one of the children).
+    Sync mode: only where every child is a helper (Prefect's server, the MLflow tracker), i.e.
+    the torch engine and trainer on ``device`` cpu; an SGLang engine's servers or Megatron's
+    ranks do a sync run's generation or training in children of their own, which the helpers'
+    cores would starve, and a pinned sync run on a GPU is untested."""
+    if not cfg.pin_cores or cfg.cluster.ray_address is not None:
+        return False
+    if cfg.mode == "async":
+        return True
+    return cfg.rollout.engine == "torch" and cfg.trainer.backend == "torch" and device == "cpu"
+
+
+@contextmanager
+def run_cores(cfg: RunConfig) -> Iterator[None]:
+    """The run's processes pinned while the block runs (``pins_cores``), as they were after. Sync
+    mode's train step ran ~20 ms slower unpinned than async's pinned (the helpers took turns on
+    its core): pinned, sync's iteration was 0.925x over 8 alternated pairs (docs/async-log.md,
+    2026-12-01)."""
+    with training_cores(cfg.torch_threads) if pins_cores(cfg, resolve_device(cfg.device)) \
+            else nullcontext():
+        yield
 
 
 def run_sync(rt: Runtime, reporter) -> None:

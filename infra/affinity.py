@@ -1,10 +1,12 @@
-"""Cores for async mode's two sides on one machine (``pin_cores``, Linux).
+"""Cores for a run's processes on one machine (``pin_cores``, Linux; which runs pin:
+``flows.rl.pins_cores``).
 
-The training process keeps ``torch_threads`` cores of its own; its child processes (the rollout
-side's process, the embedded Prefect server, the MLflow tracker) share the others. Unpinned, the
-scheduler spreads five busy processes over the cores and the train step, the iteration's
+The training process keeps ``torch_threads`` cores of its own; its child processes (async mode's
+rollout side, the embedded Prefect server, the MLflow tracker) share the others. Unpinned, the
+scheduler spreads the busy processes over the cores and the train step, the iteration's
 critical path, lost its core to them in turns: on 2 cores it took 0.088-0.099 s in async mode
-against 0.063-0.070 s pinned (2026-11-27, docs/operations.md).
+against 0.063-0.070 s pinned (2026-11-27, docs/operations.md); in sync mode 96-100 ms against
+async's pinned 76-85 (2026-12-01).
 
 Two async runs on one machine take different cores: a training process holds a lock file per
 core it pinned itself to (``claimed_cores``, released when it unpins or dies), and the next run

@@ -447,9 +447,11 @@ class RunConfig(_Section):
                           "iteration stays one flow run and its steps are plain calls with the "
                           "same retries (faster on small CPU runs: docs/operations.md)")
     pin_cores: bool = Field(
-        True, description="async mode on Linux: the training process keeps torch_threads cores "
-                          "of its own, the rollout process and the run's helpers (Prefect's "
-                          "server, the MLflow tracker) share the others (infra/affinity.py)")
+        True, description="on Linux: the training process keeps torch_threads cores of its "
+                          "own, its children (async: the rollout process; the run's helpers: "
+                          "Prefect's server, the MLflow tracker) share the others; sync mode "
+                          "only with the torch engine and trainer on cpu, never with Ray "
+                          "(flows/rl.pins_cores, infra/affinity.py)")
     num_rollout: int = Field(40, ge=0, description="RL iterations (slime: num_rollout)")
     deterministic: bool = False
     keep_checkpoints: int = Field(3, ge=1)
