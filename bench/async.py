@@ -1,6 +1,6 @@
 """Sync vs async: a job's RL phase (the quickstart's, or `--config`) from one SFT checkpoint, per seed.
 
-    python bench/async.py [--iterations 100] [--seeds 1 2 3] [--max-staleness 1]
+    python bench/async.py [--iterations 100] [--seeds 1 2 3] [--rounds 1] [--max-staleness 1]
                           [--checkpoint PATH] [--config configs/gpu.yaml] [--set key=value ...]
 
 Without ``--checkpoint`` it first runs the config's SFT warm-up once (``num_rollout=0``).
@@ -9,7 +9,10 @@ greedy accuracy at the start and the end only, and is timed from the run's own p
 s/iteration is the median gap between consecutive iterations' ends (iteration 0, which pays
 the rollout process's first batch, is left out), the RL wall runs from the start of the RL phase
 to the last iteration's end. Prints one line per run, then one JSON line.
-Timings on a shared machine are noisy: compare the two modes within one invocation.
+Timings on a shared machine are noisy: compare the two modes within one invocation. Each seed's
+sync and async runs are a pair, run back to back; ``--rounds N`` runs the seeds N times, the
+order within each pair swapped every round, and the JSON line adds each pair's async/sync and
+their median, which the host's drift moves less than the ratio of the two modes' medians.
 """
 
 from __future__ import annotations
@@ -92,13 +95,26 @@ def summarize(runs: list[dict]) -> dict:
         out[mode]["accuracy_end_per_seed"] = [r["accuracy_end"] for r in mine]
     out["async_over_sync_s_per_iteration"] = (out["async"]["s_per_iteration_median"]
                                               / out["sync"]["s_per_iteration_median"])
+    pairs = pair_ratios(runs)
+    out["async_over_sync_pairs"] = [round(r, 4) for r in pairs]
+    out["async_over_sync_pairs_median"] = statistics.median(pairs) if pairs else None
     return out
+
+
+def pair_ratios(runs: list[dict]) -> list[float]:
+    """async/sync s/iteration of each (round, seed) pair, in run order."""
+    pairs: dict[tuple[int, int], dict[str, float]] = {}
+    for r in runs:
+        pairs.setdefault((r.get("round", 0), r["seed"]), {})[r["mode"]] = r["s_per_iteration_median"]
+    return [p["async"] / p["sync"] for p in pairs.values() if p.get("sync") and p.get("async")]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=100)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the seeds this many times, each pair's order swapped per round")
     parser.add_argument("--max-staleness", type=int, default=1, help="k for the async runs")
     parser.add_argument("--checkpoint", type=Path, help="an SFT checkpoint (HF folder) to start from")
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "quickstart.yaml",
@@ -118,19 +134,27 @@ def measure(args: argparse.Namespace, home: Path) -> None:
     checkpoint = args.checkpoint or warm_checkpoint(args.config, home / "warmup",
                                                     args.overrides)
     runs = []
-    for seed in args.seeds:
-        for mode in ("sync", "async"):  # alternated, so load drifts hit both modes alike
-            r = run_once(args.config, home / f"{mode}-s{seed}", checkpoint, mode, seed,
-                         args.iterations, args.max_staleness, args.overrides)
-            runs.append(r)
-            print(f"{mode:5s} seed {seed}: {r['s_per_iteration_median']:.3f} s/it, "
+    for rnd in range(args.rounds):
+        for seed in args.seeds:
+            # alternated, so load drifts hit both modes alike; the order swapped each round
+            for mode in ("sync", "async") if rnd % 2 == 0 else ("async", "sync"):
+                folder = f"{mode}-s{seed}" if rnd == 0 else f"r{rnd}-{mode}-s{seed}"
+                r = {**run_once(args.config, home / folder, checkpoint, mode, seed,
+                                args.iterations, args.max_staleness, args.overrides), "round": rnd}
+                runs.append(r)
+                _print_run(r)
+    print(json.dumps({"bench": "async", "config": str(args.config),
+                      "iterations": args.iterations, "seeds": args.seeds, "rounds": args.rounds,
+                      "max_staleness": args.max_staleness, "checkpoint": str(checkpoint),
+                      **summarize(runs), "runs": runs}))
+
+
+def _print_run(r: dict) -> None:
+    mode, seed = r["mode"], r["seed"]
+    print(f"{mode:5s} seed {seed}: {r['s_per_iteration_median']:.3f} s/it, "
                   f"{r['samples_per_s']:.0f} samples/s, RL wall {r['rl_wall_s']:.1f} s, accuracy "
                   f"{r['accuracy_start']:.3f} -> {r['accuracy_end']:.3f}, staleness mean "
                   f"{r['staleness_mean']:.2f} max {r['staleness_max']:.0f}", flush=True)
-    print(json.dumps({"bench": "async", "config": str(args.config),
-                      "iterations": args.iterations, "seeds": args.seeds,
-                      "max_staleness": args.max_staleness, "checkpoint": str(checkpoint),
-                      **summarize(runs), "runs": runs}))
 
 
 if __name__ == "__main__":
