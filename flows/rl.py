@@ -194,14 +194,18 @@ def pins_cores(cfg: RunConfig, device: str) -> bool:
     on ``torch_threads`` cores of its own, its child processes on the others). Never with Ray
     (it places its own workers). Async mode: yes (the rollout side is one of the children).
     Sync mode: only where every child is a helper (Prefect's server, the MLflow tracker), i.e.
-    the torch engine and trainer on ``device`` cpu; an SGLang engine's servers or Megatron's
-    ranks do a sync run's generation or training in children of their own, which the helpers'
-    cores would starve, and a pinned sync run on a GPU is untested."""
+    the torch engine and trainer on ``device`` cpu and no ``custom_rm_path``. An SGLang
+    engine's servers or Megatron's ranks do a sync run's generation or training in children of
+    their own, which the helpers' cores would starve; a custom reward function runs in worker
+    processes started during the run, which would inherit the training process's own cores
+    (``torch_threads`` of them for up to ``reward_max_workers`` workers); a pinned sync run on
+    a GPU is untested."""
     if not cfg.pin_cores or cfg.cluster.ray_address is not None:
         return False
     if cfg.mode == "async":
         return True
-    return cfg.rollout.engine == "torch" and cfg.trainer.backend == "torch" and device == "cpu"
+    return (cfg.rollout.engine == "torch" and cfg.trainer.backend == "torch" and device == "cpu"
+            and cfg.rollout.custom_rm_path is None)
 
 
 @contextmanager

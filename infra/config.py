@@ -450,7 +450,8 @@ class RunConfig(_Section):
         True, description="on Linux: the training process keeps torch_threads cores of its "
                           "own, its children (async: the rollout process; the run's helpers: "
                           "Prefect's server, the MLflow tracker) share the others; sync mode "
-                          "only with the torch engine and trainer on cpu, never with Ray "
+                          "only with the torch engine and trainer on cpu and no "
+                          "custom_rm_path, never with Ray "
                           "(flows/rl.pins_cores, infra/affinity.py)")
     num_rollout: int = Field(40, ge=0, description="RL iterations (slime: num_rollout)")
     deterministic: bool = False

@@ -140,7 +140,7 @@ def test_claimed_cores_are_held_until_released_or_the_process_ends(tmp_path, mon
 
 def test_which_runs_pin_their_processes():
     """Sync mode pins only where every child process is a helper (torch engine and trainer on
-    cpu); async mode always; nothing with Ray or ``pin_cores: false``."""
+    cpu, no custom reward workers); async mode always; nothing with Ray or ``pin_cores: false``."""
     from flows.rl import pins_cores
     from infra.config import config_from_dict
 
@@ -152,6 +152,10 @@ def test_which_runs_pin_their_processes():
     assert not pins(device="cuda")  # a pinned sync run on a GPU is untested
     assert not pins(rollout={"engine": "sglang"})  # its servers generate: children of their own
     assert not pins(trainer={"backend": "megatron"})
+    # its reward workers start during the run: on the training process's cores, pinned
+    assert not pins(rollout={"custom_rm_path": "tests.opshelp:length_reward"})
+    assert pins(mode="async", trainer={"max_staleness": 1},  # started by the rollout process
+                rollout={"custom_rm_path": "tests.opshelp:length_reward"})
     assert not pins(cluster={"ray_address": "local"})
     assert not pins(pin_cores=False)
     assert not pins(mode="async", trainer={"max_staleness": 1}, pin_cores=False)
