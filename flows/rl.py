@@ -212,8 +212,8 @@ def pins_cores(cfg: RunConfig, device: str) -> bool:
 def run_cores(cfg: RunConfig) -> Iterator[None]:
     """The run's processes pinned while the block runs (``pins_cores``), as they were after. Sync
     mode's train step ran ~20 ms slower unpinned than async's pinned (the helpers took turns on
-    its core): pinned, sync's iteration was 0.925x over 8 alternated pairs (docs/async-log.md,
-    2026-12-01)."""
+    its core): pinned, sync's iteration is 0.905x over 8 alternated pairs (``bench/paired.py
+    --mode sync --b pin_cores=false``, docs/async-log.md, 2026-12-02)."""
     with training_cores(cfg.torch_threads) if pins_cores(cfg, resolve_device(cfg.device)) \
             else nullcontext():
         yield
