@@ -105,7 +105,7 @@ def pair_ratios(runs: list[dict]) -> list[float]:
     """async/sync s/iteration of each (round, seed) pair, in run order."""
     pairs: dict[tuple[int, int], dict[str, float]] = {}
     for r in runs:
-        pairs.setdefault((r.get("round", 0), r["seed"]), {})[r["mode"]] = r["s_per_iteration_median"]
+        pairs.setdefault((r["round"], r["seed"]), {})[r["mode"]] = r["s_per_iteration_median"]
     return [p["async"] / p["sync"] for p in pairs.values() if p.get("sync") and p.get("async")]
 
 
@@ -138,8 +138,7 @@ def measure(args: argparse.Namespace, home: Path) -> None:
         for seed in args.seeds:
             # alternated, so load drifts hit both modes alike; the order swapped each round
             for mode in ("sync", "async") if rnd % 2 == 0 else ("async", "sync"):
-                folder = f"{mode}-s{seed}" if rnd == 0 else f"r{rnd}-{mode}-s{seed}"
-                r = {**run_once(args.config, home / folder, checkpoint, mode, seed,
+                r = {**run_once(args.config, home / f"r{rnd}-{mode}-s{seed}", checkpoint, mode, seed,
                                 args.iterations, args.max_staleness, args.overrides), "round": rnd}
                 runs.append(r)
                 _print_run(r)
@@ -150,11 +149,10 @@ def measure(args: argparse.Namespace, home: Path) -> None:
 
 
 def _print_run(r: dict) -> None:
-    mode, seed = r["mode"], r["seed"]
-    print(f"{mode:5s} seed {seed}: {r['s_per_iteration_median']:.3f} s/it, "
-                  f"{r['samples_per_s']:.0f} samples/s, RL wall {r['rl_wall_s']:.1f} s, accuracy "
-                  f"{r['accuracy_start']:.3f} -> {r['accuracy_end']:.3f}, staleness mean "
-                  f"{r['staleness_mean']:.2f} max {r['staleness_max']:.0f}", flush=True)
+    print(f"{r['mode']:5s} seed {r['seed']}: {r['s_per_iteration_median']:.3f} s/it, "
+          f"{r['samples_per_s']:.0f} samples/s, RL wall {r['rl_wall_s']:.1f} s, accuracy "
+          f"{r['accuracy_start']:.3f} -> {r['accuracy_end']:.3f}, staleness mean "
+          f"{r['staleness_mean']:.2f} max {r['staleness_max']:.0f}", flush=True)
 
 
 if __name__ == "__main__":
