@@ -373,34 +373,44 @@ async def _serve(home: str | Path, maintenance_interval: float | None, limit: in
             except Exception as err:  # noqa: BLE001 - e.g. the deployments folder unreadable
                 print(f"deployments: {type(err).__name__}: {err}", flush=True)
 
-    async def stop_when_asked(group: anyio.abc.TaskGroup) -> None:
+    async def stop_when_asked() -> None:
         await stop_asked.wait()
-        if runner.started:
-            await runner.astop()  # its start() returns once its loops have wound down
-        else:
-            group.cancel_scope.cancel()
+        # never cancel the runner's start half-way: cancelled inside its __aenter__, the task
+        # groups it had entered stay open and exiting ours raised "Attempted to exit a cancel
+        # scope that isn't the current tasks's current cancel scope" (CI, 2026-12-02: a SIGTERM
+        # 1 s after the serve said it was serving, on a slow host); once started, astop winds it
+        # down (pausing the deployments, as a stop asked earlier, while registering, does too)
+        # and its start() returns
+        while not runner.started:
+            await anyio.sleep(0.05)
+        await runner.astop()
 
-    # Ctrl-C stops as SIGTERM does: the KeyboardInterrupt raised inside whatever coroutine ran
-    # cancelled the runner's clean-up (pausing the deployments) half-way, printing an asyncio
-    # "unhandled exception during asyncio.run() shutdown" and two cancel-scope tracebacks
-    # (review, 2026-11-29); as a loop signal handler it only asks the loop to stop the runner
-    with sigint_asks(loop, stop_asked):
+    # Ctrl-C and SIGTERM only ask the loop to stop the runner: raised inside whatever coroutine
+    # ran, their KeyboardInterrupt cancelled the runner's clean-up (pausing the deployments)
+    # half-way, printing an asyncio "unhandled exception during asyncio.run() shutdown" and two
+    # cancel-scope tracebacks (review, 2026-11-29). The runner's start swaps in its own SIGTERM
+    # handler: CleanStopRunner.handle_sigterm asks the same.
+    with signals_ask(loop, stop_asked, (signal.SIGINT, signal.SIGTERM)):
         await register_new()
         await pause_complete()
         async with anyio.create_task_group() as group:
             group.start_soon(rescan)
-            group.start_soon(stop_when_asked, group)
+            group.start_soon(stop_when_asked)
             await runner.start()
             group.cancel_scope.cancel()
 
 
 @contextmanager
-def sigint_asks(loop: asyncio.AbstractEventLoop, stop_asked: asyncio.Event) -> Iterator[None]:
-    """SIGINT sets ``stop_asked`` (in ``loop``) while inside; the handler before is put back."""
-    before = signal.getsignal(signal.SIGINT)
-    loop.add_signal_handler(signal.SIGINT, stop_asked.set)
+def signals_ask(loop: asyncio.AbstractEventLoop, stop_asked: asyncio.Event,
+                signums: tuple[int, ...]) -> Iterator[None]:
+    """Each of ``signums`` sets ``stop_asked`` (in ``loop``) while inside; the handlers before
+    are put back."""
+    before = {signum: signal.getsignal(signum) for signum in signums}
+    for signum in signums:
+        loop.add_signal_handler(signum, stop_asked.set)
     try:
         yield
     finally:
-        loop.remove_signal_handler(signal.SIGINT)  # it installs Python's default handler ...
-        signal.signal(signal.SIGINT, before)  # ... not the CLI's (infra/interrupts.note_interrupts)
+        for signum, handler in before.items():
+            loop.remove_signal_handler(signum)  # it installs Python's default handler ...
+            signal.signal(signum, handler)  # ... not the CLI's (infra/interrupts.note_interrupts)
