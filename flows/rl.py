@@ -48,7 +48,7 @@ from flows.steps import (
     train_and_commit,
 )
 from infra.affinity import training_cores
-from infra.config import RunConfig, config_from_dict, flat_config
+from infra.config import RunConfig, config_from_dict, flat_config, megatron_world_size
 from infra.faults import fault_point, set_iteration
 from infra.modeling import resolve_device
 from infra.recovery import run_tag
@@ -192,20 +192,20 @@ def run_pipeline(cfg: RunConfig, run_id: str | None, resume: bool) -> dict:
 def pins_cores(cfg: RunConfig, device: str) -> bool:
     """Whether a run pins its processes (``pin_cores``, infra/affinity.py: the training process
     on ``torch_threads`` cores of its own, its child processes on the others). Never with Ray
-    (it places its own workers). Async mode: yes (the rollout side is one of the children).
-    Sync mode: only where every child is a helper (Prefect's server, the MLflow tracker), i.e.
-    the torch engine and trainer on ``device`` cpu and no ``custom_rm_path``. An SGLang
-    engine's servers or Megatron's ranks do a sync run's generation or training in children of
-    their own, which the helpers' cores would starve; a custom reward function runs in worker
-    processes started during the run, which would inherit the training process's own cores
-    (``torch_threads`` of them for up to ``reward_max_workers`` workers); a pinned sync run on
-    a GPU is untested."""
+    (it places its own workers), nor where Megatron trains in ranks of its own (world > 1: the
+    training would be on the helpers' cores). Async mode: yes (the rollout side is one of the
+    children). Sync mode: only where every child is a helper (Prefect's server, the MLflow
+    tracker, a custom reward function's workers: started during the run, they go on the helpers'
+    cores too, ``infra.spawned.in_launcher``), i.e. the torch engine and trainer on ``device``
+    cpu. An SGLang engine's servers do a sync run's generation in children of their own, which
+    the helpers' cores would starve; a pinned sync run on a GPU, or with Megatron, is untested."""
     if not cfg.pin_cores or cfg.cluster.ray_address is not None:
+        return False
+    if cfg.trainer.backend == "megatron" and megatron_world_size(cfg.trainer) > 1:
         return False
     if cfg.mode == "async":
         return True
-    return (cfg.rollout.engine == "torch" and cfg.trainer.backend == "torch" and device == "cpu"
-            and cfg.rollout.custom_rm_path is None)
+    return cfg.rollout.engine == "torch" and cfg.trainer.backend == "torch" and device == "cpu"
 
 
 @contextmanager

@@ -8,6 +8,12 @@ critical path, lost its core to them in turns: on 2 cores it took 0.088-0.099 s 
 against 0.063-0.070 s pinned (2026-11-27, docs/operations.md); in sync mode 96-100 ms against
 async's pinned 76-85 (2026-12-01).
 
+A child started *while* the process is pinned belongs with the helpers too (a custom reward
+function's workers, async eval's among them; Megatron's ranks): started from a thread on the
+training cores it would inherit them. ``children_cores`` says where it goes, and
+``infra.spawned.in_launcher``, the one thread that starts such children, moves itself there
+before it starts one: the child inherits that thread's cores from its first instruction.
+
 Two async runs on one machine take different cores: a training process holds a lock file per
 core it pinned itself to (``claimed_cores``, released when it unpins or dies), and the next run
 takes the first cores nobody holds and keeps its children off the held ones while others are
@@ -87,6 +93,15 @@ def claimed_cores(available: Iterable[int], training_threads: int
         yield split
 
 
+_children_cores: set[int] | None = None  # while pinned (_pinned): the helpers' cores
+
+
+def children_cores() -> set[int] | None:
+    """The cores a child process started now belongs on: the helpers' while this process is
+    pinned (``training_cores``); None when it is not (a child then starts where its starter is)."""
+    return _children_cores
+
+
 def child_pids(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (from /proc)."""
     return [int(e.name) for e in os.scandir("/proc")
@@ -127,6 +142,7 @@ def training_cores(training_threads: int) -> Iterator[tuple[set[int], set[int]] 
 
 @contextmanager
 def _pinned(mine: set[int], rest: set[int]) -> Iterator[tuple[set[int], set[int]]]:
+    global _children_cores
     children = child_pids(os.getpid())
     # each process's cores as its main thread had them (a thread started meanwhile inherited
     # the pinned set: it is put back too)
@@ -135,9 +151,13 @@ def _pinned(mine: set[int], rest: set[int]) -> Iterator[tuple[set[int], set[int]
     pin_process(os.getpid(), mine)
     for pid in children:
         pin_process(pid, rest)
+    _children_cores = rest
     try:
         yield mine, rest
     finally:
+        _children_cores = None
+        # every thread of this process as it was, the launcher's too (it moved to ``rest``);
+        # a child started meanwhile stays on the helpers' cores: it was one of them
         for pid, cores in before.items():
             pin_process(pid, cores)
 

@@ -22,10 +22,14 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
+from infra.affinity import children_cores
 from infra.faults import ENV as FAULT_ENV
+
+T = TypeVar("T")
 
 PR_SET_PDEATHSIG = 1
 # ``python -c`` that sets PR_SET_PDEATHSIG (which survives exec), exits if its parent is gone
@@ -34,7 +38,7 @@ DIE_WITH_PARENT_EXEC = ("import ctypes, os, signal, sys\n"
                         "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGKILL)\n"
                         "os.getppid() == int(sys.argv[1]) or os._exit(1)\n"
                         "os.execvp(sys.argv[2], sys.argv[2:])\n")
-_launcher: tuple[int, ThreadPoolExecutor] | None = None  # (pid, its thread): launch_lasting
+_launcher: tuple[int, ThreadPoolExecutor] | None = None  # (pid, its thread): in_launcher
 # imported while waiting: the rollout side's own modules (torch, the model code, the lake)
 PRELOAD = ("infra.sides",)
 
@@ -55,15 +59,31 @@ def dying_with_this_process(cmd: list[str]) -> list[str]:
     return [sys.executable, "-c", DIE_WITH_PARENT_EXEC, str(os.getpid()), *cmd]
 
 
-def launch_lasting(args: list[str], **popen_kwargs: Any) -> subprocess.Popen:
-    """``subprocess.Popen(args, **popen_kwargs)`` from one thread that lives as long as this
+def in_launcher(start: Callable[[], T]) -> T:
+    """``start()`` (which starts child processes) on one thread that lives as long as this
     process: PR_SET_PDEATHSIG fires when the *thread* that started a child ends, not its process
     (a reward worker started from a step's thread was killed when that thread ended: checked
-    2026-11-29). A forked child has no copy of that thread: it starts its own."""
+    2026-11-29). A forked child has no copy of that thread: it starts its own.
+
+    While this process is pinned (``infra.affinity.training_cores``) the thread first moves to
+    the helpers' cores (``children_cores``): the children it starts inherit them, not the
+    training process's own."""
     global _launcher
     if _launcher is None or _launcher[0] != os.getpid():
         _launcher = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlake-launch"))
-    return _launcher[1].submit(subprocess.Popen, args, **popen_kwargs).result()
+    return _launcher[1].submit(_placed, start).result()
+
+
+def _placed(start: Callable[[], T]) -> T:
+    cores = children_cores()
+    if cores:
+        os.sched_setaffinity(0, cores)  # this thread only; training_cores puts it back
+    return start()
+
+
+def launch_lasting(args: list[str], **popen_kwargs: Any) -> subprocess.Popen:
+    """``subprocess.Popen(args, **popen_kwargs)`` from the lasting launcher (``in_launcher``)."""
+    return in_launcher(lambda: subprocess.Popen(args, **popen_kwargs))
 
 
 class SpawnedProcess:

@@ -29,6 +29,14 @@ def test_a_second_run_takes_a_free_core_and_keeps_its_children_off_the_taken_one
     assert split_cores([0, 1], 1, taken={0, 1}) is None  # no free core: no pinning
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
 def _cores(pid: int) -> set[int]:
     return os.sched_getaffinity(pid)
 
@@ -63,6 +71,30 @@ def test_training_cores_pins_this_process_and_its_children_apart_then_puts_them_
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
+def test_a_child_started_while_pinned_goes_on_the_helpers_cores_and_later_ones_where_it_was():
+    """A child started from the launcher (reward workers, Megatron's ranks) while the process
+    is pinned starts on the helpers' cores, not the training ones its starter had; once
+    unpinned, a child starts where the process is again."""
+    from infra.spawned import in_launcher, launch_lasting
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    children = []
+    try:
+        before = _cores(0)
+        with training_cores(1) as (mine, rest):
+            children.append(launch_lasting(sleeper))
+            children.append(in_launcher(lambda: subprocess.Popen(sleeper)))
+            assert [_cores(c.pid) for c in children] == [rest, rest] and _cores(0) == mine
+        assert _cores(children[0].pid) == rest  # it stays one of the helpers
+        children.append(launch_lasting(sleeper))
+        assert _cores(children[-1].pid) == before == _cores(0)
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
 
 
 PYTHON_API_RUN = """
@@ -140,7 +172,7 @@ def test_claimed_cores_are_held_until_released_or_the_process_ends(tmp_path, mon
 
 def test_which_runs_pin_their_processes():
     """Sync mode pins only where every child process is a helper (torch engine and trainer on
-    cpu, no custom reward workers); async mode always; nothing with Ray or ``pin_cores: false``."""
+    cpu); async mode unless Megatron trains in ranks; nothing with Ray or ``pin_cores: false``."""
     from flows.rl import pins_cores
     from infra.config import config_from_dict
 
@@ -152,8 +184,12 @@ def test_which_runs_pin_their_processes():
     assert not pins(device="cuda")  # a pinned sync run on a GPU is untested
     assert not pins(rollout={"engine": "sglang"})  # its servers generate: children of their own
     assert not pins(trainer={"backend": "megatron"})
-    # its reward workers start during the run: on the training process's cores, pinned
-    assert not pins(rollout={"custom_rm_path": "tests.opshelp:length_reward"})
+    # its reward workers start during the run, on the helpers' cores (in_launcher)
+    assert pins(rollout={"custom_rm_path": "tests.opshelp:length_reward"})
+    # Megatron's ranks train: children of its own
+    assert not pins(mode="async", trainer={"max_staleness": 1, "backend": "megatron",
+                                           "tensor_model_parallel_size": 2})
+    assert pins(mode="async", trainer={"max_staleness": 1, "backend": "megatron"})
     assert pins(mode="async", trainer={"max_staleness": 1},  # started by the rollout process
                 rollout={"custom_rm_path": "tests.opshelp:length_reward"})
     assert not pins(cluster={"ray_address": "local"})
@@ -164,8 +200,9 @@ def test_which_runs_pin_their_processes():
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
 def test_a_sync_run_keeps_a_core_of_its_own_and_its_helpers_share_the_others(tmp_path):
     """``rlake run`` in sync mode on CPU: while it trains, its process is on one core and its
-    children (its embedded Prefect server, the MLflow tracker) on the others; unpinned they took
-    turns on its core and the train step ran ~20 ms slower (docs/async-log.md, 2026-12-01)."""
+    children (its embedded Prefect server, the MLflow tracker, and the custom reward function's
+    workers, started during the run) on the others; unpinned they took turns on its core and
+    the train step ran ~20 ms slower (docs/async-log.md, 2026-12-01)."""
     from buffer import Lake
     from tests.opshelp import TINY, cli_env, rlake, tail
 
@@ -173,7 +210,9 @@ def test_a_sync_run_keeps_a_core_of_its_own_and_its_helpers_share_the_others(tmp
     # a lock folder of its own: another test's run holding a core must not change this one's split
     env = cli_env(None, RLAKE_CORE_LOCK_DIR=str(tmp_path / "locks"))
     proc = rlake(["run", "--set", f"home={home}", "--set", "run_id=pinned", "--set", "num_rollout=40",
-                  "--set", "eval.eval_interval=100", *TINY], env, log, background=True)
+                  "--set", "eval.eval_interval=100", "--set",
+                  "rollout.custom_rm_path=tests.opshelp:length_reward", *TINY], env, log,
+                 background=True)
     try:
         end, steps = time.monotonic() + 600, 0  # a hang guard: until a step is committed
         while time.monotonic() < end and proc.poll() is None and not steps:
@@ -184,7 +223,8 @@ def test_a_sync_run_keeps_a_core_of_its_own_and_its_helpers_share_the_others(tmp
                 continue
         mine, children = _cores(proc.pid), {pid: _cores(pid) for pid in child_pids(proc.pid)}
         assert steps and proc.poll() is None, tail(log)
-        assert len(mine) == 1 and len(children) >= 2, (mine, children)
+        workers = [pid for pid in children if "rewards.workers" in _cmdline(pid)]
+        assert len(mine) == 1 and len(children) >= 3 and workers, (mine, children)
         assert all(cores and not cores & mine for cores in children.values()), (mine, children)
         assert proc.wait(timeout=600) == 0, tail(log)
     finally:

@@ -15,7 +15,7 @@ A rank process dies with the process that started it (``PR_SET_PDEATHSIG``, as t
 rollout process: ``infra.spawned.die_with_parent``): after a ``kill -9`` of the run no rank
 (~540 MB each) is left waiting on its inbox. The signal follows the *thread* that started the
 child, so the ranks are started from one thread that lives as long as this process
-(``_start_lasting``), not from whichever thread built the trainer; a rank also checks its
+(``infra.spawned.in_launcher``), not from whichever thread built the trainer; a rank also checks its
 parent's pid while it waits for a call (a last guard where prctl is not available).
 """
 
@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import os
 import queue
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
 from infra.config import megatron_world_size
-from infra.spawned import die_with_parent
+from infra.spawned import die_with_parent, in_launcher
 from trainers.megatron.ranks import (
     Answer,
     MegatronRanks,
@@ -41,18 +40,6 @@ from trainers.megatron.ranks import (
 )
 
 PARENT_CHECK_S = 1.0  # how often a waiting rank looks whether its driver is still there
-_launcher: tuple[int, ThreadPoolExecutor] | None = None  # (pid, its thread): _start_lasting
-
-
-def _start_lasting(procs: list[Any]) -> None:
-    """``p.start()`` for each of ``procs`` from one thread that lives as long as this process:
-    PR_SET_PDEATHSIG fires when the *thread* that started a child ends (infra/spawned.py,
-    ``launch_lasting``), and a trainer may be built from a step's short-lived thread."""
-    global _launcher
-    if _launcher is None or _launcher[0] != os.getpid():
-        _launcher = (os.getpid(), ThreadPoolExecutor(max_workers=1,
-                                                     thread_name_prefix="rlake-megatron-ranks"))
-    _launcher[1].submit(lambda: [p.start() for p in procs]).result()
 
 
 def _next_message(inbox: Any, parent_pid: int) -> Any:
@@ -101,7 +88,7 @@ class ProcessRanks:
         self._procs = [ctx.Process(target=_worker, daemon=True, args=(
             r, self.world, port, threads, config, model_dir, kwargs, self._inboxes[r],
             self._outbox, os.getpid())) for r in range(self.world)]
-        _start_lasting(self._procs)
+        in_launcher(lambda: [p.start() for p in self._procs])
         return self._gather(timeout_s)
 
     def call(self, name: str, args: tuple, timeout_s: float | None) -> list[Answer]:
