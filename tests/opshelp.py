@@ -51,6 +51,16 @@ def length_reward(cfg, sample) -> float:
     return len(sample.response) / 10
 
 
+def paused_deployments(prefect_home: Path) -> dict[str, bool]:
+    """Each deployment's ``paused`` flag in the (stopped) Prefect server's database of
+    ``prefect_home``. Read there, not from Prefect's log: its runner logs the pause only while
+    its start is under way."""
+    import sqlite3
+
+    with sqlite3.connect(Path(prefect_home) / "prefect.db") as db:
+        return {name: bool(paused) for name, paused in db.execute("select name, paused from deployment")}
+
+
 def pids_with_env(key: str, value: str) -> list[int]:
     """Live processes whose start-up environment has ``key=value`` (read from /proc)."""
     from infra.recovery import _environ, pid_alive

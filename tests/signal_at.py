@@ -4,8 +4,9 @@ chance). Nothing is replaced: the real call runs right after the signal.
 
 - ``registering``: as the serve registers its first deployment, before Prefect's Runner starts;
 - ``runner-entering``: inside the Runner's start, after it entered its task groups and before
-  it is started (held 1 s there, so the stop is asked while it is half-way);
-- ``serving``: 1 s after the Runner's poller began polling.
+  it is started (held 1 s there, so the stop is asked while it is half-way).
+
+A SIGTERM once it serves is tests/test_deploy.py's stop.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ def _signal_self(moment: str) -> None:
 def _patch(moment: str) -> None:
     from prefect._internal.observers import FlowRunCancellingObserver
     from prefect.runner import Runner
-    from prefect.runner._scheduled_run_poller import ScheduledRunPoller
 
     if moment == "registering":
         real_add = Runner.aadd_deployment
@@ -43,14 +43,6 @@ def _patch(moment: str) -> None:
             return await real_enter(self)
 
         FlowRunCancellingObserver.__aenter__ = enter
-    elif moment == "serving":
-        real_run = ScheduledRunPoller.run
-
-        async def run(self):
-            asyncio.get_running_loop().call_later(1.0, _signal_self, moment)
-            return await real_run(self)
-
-        ScheduledRunPoller.run = run
     else:
         raise SystemExit(f"signal_at: unknown moment {moment!r}")
 

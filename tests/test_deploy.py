@@ -14,7 +14,7 @@ import yaml
 
 from buffer import Lake
 from infra.recovery import pid_alive, stop_processes
-from tests.opshelp import ROOT, TINY, cli_env, pids_with_env, rlake, tail
+from tests.opshelp import ROOT, TINY, cli_env, paused_deployments, pids_with_env, rlake, tail
 
 # a hang guard per wait (fails with the logs), not a speed expectation: each wait ends on an
 # event (a log line, a completed flow run) or on the serve process dying
@@ -102,7 +102,11 @@ def test_serve_then_deploy_interval_runs_it_and_stops_cleanly(tmp_path):
             serve_log.close()
     # SIGTERM is serve's normal stop: it stops the server it started and exits 0
     assert serve.returncode == 0, tail(tmp_path / "serve.log")
-    assert "Prefect server stopped" in (tmp_path / "serve.log").read_text()
+    text = (tmp_path / "serve.log").read_text()
+    assert "Prefect server stopped" in text, tail(tmp_path / "serve.log")
+    assert "Traceback" not in text and "error:" not in text, tail(tmp_path / "serve.log")
+    # Prefect's runner paused what it served as it stopped: no tick comes due with nobody serving
+    assert paused_deployments(prefect_home) == {"lake-maintenance": True, "tiny": True}
     assert not pid_alive(server_pid), "the Prefect server outlived `rlake serve`"
     assert leftovers == [], f"processes left running: {leftovers}"
 
