@@ -12,6 +12,7 @@ import time
 import pytest
 
 from infra.affinity import child_pids, claimed_cores, split_cores, training_cores
+from infra.recovery import _cmdline
 
 
 def test_the_training_process_takes_the_first_cores_and_leaves_at_least_one():
@@ -27,14 +28,6 @@ def test_a_second_run_takes_a_free_core_and_keeps_its_children_off_the_taken_one
     assert split_cores(range(4), 1, taken={0}) == ({1}, {2, 3})
     assert split_cores(range(4), 2, taken={1}) == ({0, 2}, {3})
     assert split_cores([0, 1], 1, taken={0, 1}) is None  # no free core: no pinning
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
 
 
 def _cores(pid: int) -> set[int]:

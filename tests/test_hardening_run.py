@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.opshelp import ROOT, TINY, cli_env, rlake, tail
+from tests.opshelp import ROOT, TINY, cli_env, paused_deployments, rlake, tail
 
 NO_SFT = [*TINY, "--set", "sft.enabled=false", "--set", "eval.eval_interval=100"]
 
@@ -204,8 +204,6 @@ def test_serve_on_sigterm_exits_cleanly(tmp_path, when):
     text = log.read_text()
     assert "Traceback" not in text and "error:" not in text, tail(log)
     if when != "starting":
-        from tests.opshelp import paused_deployments
-
         assert f"signal_at: SIGTERM at {when}" in text, tail(log)
         assert paused_deployments(home / "prefect") == {"lake-maintenance": True}
     servers = [p for p in _server_pids(home) if pid_alive(p)]
