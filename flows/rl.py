@@ -50,6 +50,7 @@ from flows.steps import (
 from infra.affinity import training_cores
 from infra.config import RunConfig, config_from_dict, flat_config, megatron_world_size
 from infra.faults import fault_point, set_iteration
+from infra.interrupts import flow_call
 from infra.modeling import resolve_device
 from infra.recovery import run_tag
 from infra.runtime import Runtime, runtime_for
@@ -77,7 +78,7 @@ def sft_warmup(rt: Runtime) -> dict[str, float]:
         publish_weights(rt, 0)
         return metrics
 
-    return warmup(rt.run_id)
+    return flow_call(warmup, rt.run_id)
 
 
 def sync_iteration(rt: Runtime, iteration: int) -> dict[str, float]:

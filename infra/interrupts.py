@@ -6,12 +6,17 @@ after user code finished executing" and returns normally: Prefect 3.8.8, reprodu
 tests/test_interrupts.py). A Ctrl-C there was lost: the run trained on to its end (a CI run of
 tests/test_hardening_run.py, 2026-11-29). The CLI's SIGINT handler notes every Ctrl-C here
 (``note_interrupts``), and whoever calls a flow raises a noted one again when the call returns
-(``raise_noted_interrupt``: ``flows.prefetch.IterationRuns.run``)."""
+(``raise_noted_interrupt``: ``flows.prefetch.IterationRuns.run``; ``flow_call`` for a single
+flow, the SFT warm-up's)."""
 
 from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _NOTED = threading.Event()
 
@@ -38,3 +43,12 @@ def raise_noted_interrupt() -> None:
     """``KeyboardInterrupt`` if this process got a Ctrl-C: one a flow engine swallowed is not lost."""
     if _NOTED.is_set():
         raise KeyboardInterrupt
+
+
+def flow_call(flow: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``flow(*args, **kwargs)`` (a Prefect flow call), then ``raise_noted_interrupt``: a Ctrl-C
+    the engine swallowed in the run's teardown stops the caller here, not at the next guarded
+    call (the SFT warm-up's went on into RL until the first iteration's end)."""
+    result = flow(*args, **kwargs)
+    raise_noted_interrupt()
+    return result

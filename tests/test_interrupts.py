@@ -18,7 +18,7 @@ import signal
 from prefect import flow
 from flows.durability import drain_prefect_clients
 from flows.prefetch import IterationRuns, ahead
-from infra.interrupts import note_interrupts
+from infra.interrupts import flow_call, note_interrupts
 
 note_interrupts()  # as the CLI does
 
@@ -30,7 +30,8 @@ def ctrl_c(flow, flow_run, state):  # the run is Completed: Prefect's teardown
 def child(i: int) -> int:
     return i
 
-out = {"plain": [], "rlake": [], "plain_interrupted": False, "rlake_interrupted": False}
+out = {"plain": [], "rlake": [], "plain_interrupted": False, "rlake_interrupted": False,
+       "single": [], "single_interrupted": False}
 try:
     for i in range(3):  # Prefect alone: the interrupt is swallowed, the loop goes on
         out["plain"].append(child(i=i + 10 if i != 1 else 1))
@@ -44,6 +45,12 @@ try:
             out["rlake"].append(runs.run({"i": i}, upcoming=ahead(i, 5, lambda j: {"i": j})))
 except KeyboardInterrupt:
     out["rlake_interrupted"] = True
+infra.interrupts._NOTED.clear()
+try:  # one flow called on its own (the SFT warm-up's): its caller stops as it returns
+    for i in range(3):
+        out["single"].append(flow_call(child, i=i))
+except KeyboardInterrupt:
+    out["single_interrupted"] = True
 try:
     print(json.dumps(out))
 finally:
@@ -58,3 +65,5 @@ def test_a_ctrl_c_prefect_swallowed_still_stops_the_iterations(tmp_path):
     assert out["plain"] == [10, 1, 12] and not out["plain_interrupted"], out
     # rlake's iterations stop at the iteration the Ctrl-C came in
     assert out["rlake"] == [0] and out["rlake_interrupted"], out
+    # a single flow call (``flow_call``: the SFT warm-up's) stops its caller as it returns
+    assert out["single"] == [0] and out["single_interrupted"], out
