@@ -21,7 +21,7 @@ import random
 import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote, urlparse
+from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -31,6 +31,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction, WriterPropertie
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from buffer.schema import KEYS, PARTITIONS, SCHEMA_VERSION, SCHEMA_VERSION_KEY, arrow_schema
+from buffer.uris import is_local, local_path
 from infra.faults import fault_armed, fault_point
 
 MAX_ATTEMPTS = 200
@@ -96,12 +97,6 @@ def upgrade_properties(dt: DeltaTable, name: str) -> bool:
             time.sleep(backoff(attempt))
             dt.update_incremental()
     return not stale_properties(dt, name)
-
-
-def is_local(uri: str) -> bool:
-    """True for a plain path or ``file://`` URI (no object store)."""
-    scheme = urlparse(uri).scheme
-    return scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt")
 
 
 def normalize_uri(uri: str) -> str:
@@ -171,11 +166,6 @@ def _keep_mask(actions: pa.Table, column: str, op: str, value: Any, partitions: 
     if nulls and f"null_count.{column}" in actions.column_names:
         keep = pc.or_(keep, pc.fill_null(pc.greater(actions.column(f"null_count.{column}"), 0), True))
     return keep
-
-
-def local_path(uri: str) -> str:
-    """The filesystem path of a local table URI (``file:///a%20b/t/`` -> ``/a b/t/``)."""
-    return unquote(urlparse(uri).path) if uri.startswith("file:") else uri
 
 
 def _filesystem(dt: DeltaTable) -> pa_fs.FileSystem:

@@ -33,8 +33,8 @@ import pyarrow as pa
 
 from buffer.delta import ROW_GROUP_SIZE, is_local, local_path, upgrade_properties, writer_properties
 from buffer.lake import Lake
+from buffer.names import DEFAULT_RETENTION_HOURS
 
-DEFAULT_RETENTION_HOURS = 168
 # an unreferenced file younger than this may be a live writer's, its commit not landed yet
 ORPHAN_MIN_HOURS = 1
 # Measured on 1000 iterations x 512 rows: 16 MB files keep a slice at ~20 ms after compaction; one

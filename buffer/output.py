@@ -20,7 +20,8 @@ import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 
-FORMATS = ("table", "csv", "json", "parquet")
+from buffer.names import FORMATS
+
 MAX_CELL = 60
 
 

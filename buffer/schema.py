@@ -108,7 +108,7 @@ RUNS: list[Column] = [
     _c("updated_at", TS, "UTC time of the last update."),
 ]
 
-TABLES: dict[str, list[Column]] = {
+TABLES: dict[str, list[Column]] = {  # in buffer.names.TABLE_NAMES' order (tests/test_lake.py)
     "trajectories": TRAJECTORIES,
     "train_steps": TRAIN_STEPS,
     "evals": EVALS,

@@ -31,13 +31,12 @@ import duckdb
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from buffer.names import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT_S
 from buffer.schema import TABLES
 
 if TYPE_CHECKING:
     from buffer.lake import Lake
 
-DEFAULT_MEMORY_LIMIT = "2GB"
-DEFAULT_TIMEOUT_S = 300.0
 SANDBOX_CONFIG = {
     "enable_external_access": False,
     "autoinstall_known_extensions": False,

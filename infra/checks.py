@@ -56,9 +56,8 @@ def check_data(cfg: RunConfig, new_run: bool = True) -> None:
     """Read every configured data file once (format, encoding, keys, a row's own ``rm_type``;
     for a ``new_run``, the labels its SFT warm-up trains on): errors name file and line."""
     from rewards.registry import check_labels
-    from rollout.data import load_prompt_file
+    from rollout.data import check_sft_labels, load_prompt_file
     from rollout.evaluation import prompt_file_keys
-    from rollout.setup import check_sft_labels
 
     d, r = cfg.data, cfg.rollout
     files = []

@@ -15,15 +15,22 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from buffer import Lake
-from buffer.maintenance import DEFAULT_RETENTION_HOURS, compact, history, vacuum
-from buffer.output import FORMATS, format_table, render
-from buffer.schema import TABLES
-from buffer.sql import DEFAULT_MEMORY_LIMIT, DEFAULT_TIMEOUT_S, SqlRefused, sql
+# the lake's code (pyarrow, deltalake, DuckDB: ~0.4 s) is imported by the commands that use it:
+# every rlake command imports this module, and `rlake run` starts Prefect's server before that
+from buffer.names import (
+    DEFAULT_MEMORY_LIMIT,
+    DEFAULT_RETENTION_HOURS,
+    DEFAULT_TIMEOUT_S,
+    FORMATS,
+    TABLE_NAMES,
+)
+
+if TYPE_CHECKING:
+    from buffer import Lake
 
 DEFAULT_LAKE = "./rlake-home/lake"
 
@@ -31,7 +38,7 @@ LakeOpt = Annotated[str, typer.Option("--lake", envvar="RLAKE_LAKE_URI",
                                       help="Lake root: a folder or an object-store URI (s3://, gs://, az://).")]
 StorageOpt = Annotated[list[str] | None, typer.Option(
     "--storage-option", "-S", help="Object-store option KEY=VALUE (repeatable), passed to deltalake.")]
-TableOpt = Annotated[str, typer.Option("--table", "-t", help=f"One of: {', '.join(TABLES)}.")]
+TableOpt = Annotated[str, typer.Option("--table", "-t", help=f"One of: {', '.join(TABLE_NAMES)}.")]
 
 lake_app = typer.Typer(help="Maintain the trajectory lake (compaction, vacuum, history).", no_args_is_help=True)
 
@@ -55,6 +62,8 @@ def open_lake(lake: str | None, storage_option: list[str] | None) -> Lake:
     uri = lake or os.environ.get("RLAKE_LAKE_URI") or DEFAULT_LAKE
     options = parse_storage_options(storage_option)
     check_lake(uri)
+    from buffer import Lake
+
     return Lake(uri, storage_options=options)
 
 
@@ -64,11 +73,11 @@ def check_lake(uri: str) -> None:
     local = uri.removeprefix("file://") if uri.startswith("file://") or "://" not in uri else None
     if local is not None and not Path(local).is_dir():
         _fail(f"no lake at {uri} (--lake / RLAKE_LAKE_URI): the folder does not exist")
-    if local is not None and not any((Path(local) / t / "_delta_log").is_dir() for t in TABLES):
+    if local is not None and not any((Path(local) / t / "_delta_log").is_dir() for t in TABLE_NAMES):
         # a home given for its lake read as an empty lake (count 0, exit 0)
         hint = f"; its lake is {Path(local) / 'lake'}" if (Path(local) / "lake").is_dir() else ""
         _fail(f"no lake at {uri} (--lake / RLAKE_LAKE_URI): the folder holds none of the tables "
-              f"{', '.join(TABLES)}{hint}")
+              f"{', '.join(TABLE_NAMES)}{hint}")
 
 
 def inside_local_lake(path: Path, lake_uri: str) -> bool:
@@ -109,8 +118,8 @@ def _fail(message: str) -> None:
 
 
 def _check_table(table: str) -> None:
-    if table not in TABLES:
-        _fail(f"unknown table {table!r}; choose one of {', '.join(TABLES)}")
+    if table not in TABLE_NAMES:
+        _fail(f"unknown table {table!r}; choose one of {', '.join(TABLE_NAMES)}")
 
 
 def sql_command(
@@ -137,6 +146,9 @@ def sql_command(
         _fail(f"--out {out}: the folder {out.parent} does not exist")
     if out is not None:
         check_out(out, lake)
+    from buffer.output import format_table, render
+    from buffer.sql import SqlRefused, sql
+
     try:
         result = sql(open_lake(lake, storage_option), query, as_of=as_of, memory_limit=memory_limit,
                      timeout_s=timeout)
@@ -167,6 +179,8 @@ def compact_command(
 ) -> None:
     """Rewrite small files into larger ones with small row groups; print the metrics as JSON."""
     _check_table(table)
+    from buffer.maintenance import compact
+
     if run_id is not None and table != "trajectories":  # the other tables are not partitioned
         _fail(f"--run-id: only trajectories is partitioned by run; {table} is compacted whole")
     try:
@@ -188,6 +202,8 @@ def vacuum_command(
 ) -> None:
     """Delete unreferenced files older than the retention (breaks time travel before it)."""
     _check_table(table)
+    from buffer.maintenance import vacuum
+
     try:
         files = vacuum(open_lake(lake, storage_option), table, retention_hours=retention_hours,
                        dry_run=dry_run)
@@ -209,6 +225,8 @@ def history_command(
 ) -> None:
     """The table's Delta commits, newest first."""
     _check_table(table)
+    from buffer.maintenance import history
+
     try:
         entries = history(open_lake(lake, storage_option), table, limit=limit)
     except ValueError as e:
@@ -218,6 +236,8 @@ def history_command(
             typer.echo(json.dumps(e, default=str))
         return
     import pyarrow as pa
+
+    from buffer.output import format_table
 
     rows = [{"version": e["version"], "timestamp": e["timestamp"], "operation": e["operation"],
              "rows": (e.get("operationMetrics") or {}).get("num_added_rows", e.get("rlake.rows")),

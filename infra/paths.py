@@ -64,7 +64,7 @@ def place_options(home: str | Path, lake_uri: str | None, *, with_home: bool = T
     """``--home HOME`` (when ``with_home``) and ``--lake LAKE`` when the lake is not HOME/lake:
     the options a printed ``rlake resume``/``rlake run`` needs to find the run (a hint without
     ``--lake`` found no run: review, 2026-11-29)."""
-    from buffer.delta import is_local, local_path
+    from buffer.uris import is_local, local_path
 
     options = ["--home", str(home)] if with_home else []
     if lake_uri and not (is_local(str(lake_uri))

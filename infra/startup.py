@@ -2,15 +2,19 @@
 fail and safe to kill:
 
     check(cfg)                   config, files, paths: seconds, before anything slow starts
-    refuse_existing / load_row   a run id names one run forever (run) / must exist (resume);
-                                 one whose run failed at start-up having written nothing but
-                                 its row is free again (``wrote_nothing``)
+    EmbeddedServer.start         Prefect's API server starts in its own process (~4 s) ...
+    refuse_existing / load_row   ... while a run id names one run forever (run) / must exist
+                                 (resume: the server starts once it is found); one whose run
+                                 failed at start-up having written nothing but its row is free
+                                 again (``wrote_nothing``)
     record_run                   the runs row (status running) first: a kill -9 from here on
                                  leaves a run `rlake resume` continues
-    PrefectServer.start          Prefect's API server starts in its own process ...
     open_runtime                 ... while this one builds the model, data, MLflow store
-    PrefectServer.wait           then the first flow runs, watched: if that server ends
+    EmbeddedServer.wait          then the first flow runs, watched: if that server ends
                                  under the run, the run ends at once (``server_lost``)
+
+A new run's server is spawned before the lake's code is imported (pyarrow, deltalake: ~0.4 s):
+the server's start is the startup's path (2026-12-07, docs/operations.md, Startup).
 
 Nothing here imports Prefect: its settings are read when it is first imported, after the
 server's URL is in the environment.
@@ -25,9 +29,10 @@ import shutil
 import sys
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from infra.checks import (  # noqa: F401 - the checks' names, imported from here before the split
     StartupError,
@@ -45,6 +50,9 @@ from infra.data_digest import changed_prompt_data, prompt_data_digest
 from infra.faults import fault_point
 from infra.paths import place_options
 from infra.quick_exit import release_named_semaphores
+
+if TYPE_CHECKING:
+    from infra.prefect_server import EmbeddedServer
 
 DEFAULT_HOME = "./rlake-home"
 SERVER_LOST_EXIT = 1  # the CLI's code for a failed command
@@ -238,57 +246,63 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool,
 
     home = set_environment(cfg.home, cfg.torch_threads)
     check(cfg)
-    lake = open_lake(cfg)
-    if resume:
-        row = load_row(lake, cfg, run_id)
-        recorded = config_from_dict(json.loads(row["config"]))
-        check_data(recorded, new_run=False)
-        changed = changed_prompt_data(json.loads(row.get("notes") or "{}").get("prompt_data"),
-                                      recorded.data.prompt_data)
-        if changed:
-            raise StartupError(f"run '{run_id}': {changed}")
-    else:
-        if run_id is None:  # --run-id "" is refused, not a made-up id (review, 2026-11-29)
-            run_id = cfg.run_id or new_run_id()
-        check_new_run_id(run_id)
-        refuse_existing(lake, cfg, run_id)
-    run_dir = home / "runs" / run_id
-    claim_run(run_dir)  # a live owner from the start: `rlake status` does not call it interrupted
-    try:
-        if resume and num_rollout is not None:  # after the claim: never under a live owner
-            from infra.extend import LengthError, set_num_rollout
-
-            try:
-                set_num_rollout(lake, run_id, row, num_rollout)
-            except LengthError as err:
-                raise StartupError(str(err)) from None
+    with ExitStack() as servers:  # Prefect's server, stopped on the way out
         if not resume:
-            # a run started again after a start-up failure (``wrote_nothing``): its base model
-            # is rebuilt, a complete folder there would be used as it is (another model.tiny)
-            shutil.rmtree(run_dir / "base_model", ignore_errors=True)
-            record_run(lake, cfg, run_id)
-            fault_point("after_run_recorded")
+            if run_id is None:  # --run-id "" is refused, not a made-up id (review, 2026-11-29)
+                run_id = cfg.run_id or new_run_id()
+            check_new_run_id(run_id)
+            # spawned before the lake's code is imported and read (~0.5 s of its start's path)
+            server = servers.enter_context(embedded_server(cfg))
+        lake = open_lake(cfg)
+        if resume:
+            row = load_row(lake, cfg, run_id)
+            # once the run is known to exist: a mistyped resume starts no server in that home
+            server = servers.enter_context(embedded_server(cfg))
+            recorded = config_from_dict(json.loads(row["config"]))
+            check_data(recorded, new_run=False)
+            changed = changed_prompt_data(json.loads(row.get("notes") or "{}").get("prompt_data"),
+                                          recorded.data.prompt_data)
+            if changed:
+                raise StartupError(f"run '{run_id}': {changed}")
+        else:
+            refuse_existing(lake, cfg, run_id)
+        run_dir = home / "runs" / run_id
+        claim_run(run_dir)  # a live owner from the start: `rlake status` does not call it interrupted
+        try:
+            if resume and num_rollout is not None:  # after the claim: never under a live owner
+                from infra.extend import LengthError, set_num_rollout
 
-        opened: list[RunConfig] = []
+                try:
+                    set_num_rollout(lake, run_id, row, num_rollout)
+                except LengthError as err:
+                    raise StartupError(str(err)) from None
+            if not resume:
+                # a run started again after a start-up failure (``wrote_nothing``): its base model
+                # is rebuilt, a complete folder there would be used as it is (another model.tiny)
+                shutil.rmtree(run_dir / "base_model", ignore_errors=True)
+                record_run(lake, cfg, run_id)
+                fault_point("after_run_recorded")
 
-        def open_pipeline() -> None:
-            from infra.runtime import open_runtime
+            opened: list[RunConfig] = []
 
-            try:
-                opened.append(open_runtime(cfg, run_id, resume).cfg)
-            except BaseException as e:
-                if resume:
+            def open_pipeline() -> None:
+                from infra.runtime import open_runtime
+
+                try:
+                    opened.append(open_runtime(cfg, run_id, resume).cfg)
+                except BaseException as e:
+                    if resume:
+                        raise
+                    mark_failed(lake, run_id)
+                    if isinstance(e, Exception):
+                        raise StartupError(failed_at_start(lake, cfg, run_id, e)) from e
                     raise
-                mark_failed(lake, run_id)
-                if isinstance(e, Exception):
-                    raise StartupError(failed_at_start(lake, cfg, run_id, e)) from e
-                raise
-            import flows.rl  # noqa: F401 - Prefect's client side imports while its server starts
+                import flows.rl  # noqa: F401 - Prefect's client side imports while its server starts
 
-        with prefect_served(cfg, run_id, open_pipeline):
-            yield run_id, opened[0]
-    finally:
-        release_run(run_dir)
+            with prefect_served(cfg, run_id, open_pipeline, server):
+                yield run_id, opened[0]
+        finally:
+            release_run(run_dir)
 
 
 def failed_at_start(lake, cfg: RunConfig, run_id: str, err: Exception) -> str:
@@ -330,24 +344,39 @@ def prepared_replay(cfg: RunConfig, run_id: str, resume: bool) -> Iterator[str]:
             open_runtime(cfg, run_id, resume=resume, replay=True)
             import flows.replay  # noqa: F401 - as prepared_run's flows.rl
 
-        with prefect_served(cfg, run_id, open_replay):
+        with embedded_server(cfg) as server, prefect_served(cfg, run_id, open_replay, server):
             yield run_id
     finally:
         release_run(run_dir)
 
 
 @contextmanager
-def prefect_served(cfg: RunConfig, run_id: str, meanwhile: Callable[[], None]) -> Iterator[None]:
-    """Prefect's embedded server (``infra.prefect_server.EmbeddedServer``) started, then
-    ``meanwhile()`` (the slow part of startup) while it starts, then the server waited for and
-    watched while inside: if it ends under the run, the process ends (``server_lost``). On the
-    way out a runtime the flow never took is closed and the server stopped."""
-    from infra.env import configure_environment
-    from infra.prefect_server import EmbeddedServer, ServerWatch, run_server_liveness
+def embedded_server(cfg: RunConfig) -> Iterator[EmbeddedServer | None]:
+    """Prefect's embedded server (``infra.prefect_server.EmbeddedServer``) spawned now, or None
+    where the run uses one already running; on the way out, Prefect's clients drained (while it
+    still answers) and the server stopped."""
+    from infra.prefect_server import EmbeddedServer
 
-    server = watch = None
+    server = EmbeddedServer.start(cfg.home)
     try:
-        server = EmbeddedServer.start(cfg.home)
+        yield server
+    finally:
+        if server is not None:
+            drain_prefect_clients_if_used()
+            server.stop()
+
+
+@contextmanager
+def prefect_served(cfg: RunConfig, run_id: str, meanwhile: Callable[[], None],
+                   server: EmbeddedServer | None) -> Iterator[None]:
+    """``meanwhile()`` (the slow part of startup) while ``server`` (``embedded_server``) starts,
+    then the server waited for and watched while inside: if it ends under the run, the process
+    ends (``server_lost``). On the way out a runtime the flow never took is closed."""
+    from infra.env import configure_environment
+    from infra.prefect_server import ServerWatch, run_server_liveness
+
+    watch = None
+    try:
         configure_environment(cfg.home, cfg.torch_threads)
         meanwhile()
         fault_point("before_first_flow")
@@ -362,9 +391,6 @@ def prefect_served(cfg: RunConfig, run_id: str, meanwhile: Callable[[], None]) -
         if watch is not None:
             watch.stop()
         _close_unused_runtime(run_id)
-        if server is not None:
-            drain_prefect_clients_if_used()  # while the server still answers
-            server.stop()
 
 
 def server_lost(what: str, run_id: str, cfg: RunConfig) -> None:

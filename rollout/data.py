@@ -306,3 +306,18 @@ def next_data_position(lake, run_id: str, per_iteration: int | None = None) -> i
     if per_iteration is None:
         raise ValueError(f"run {run_id}: train step {last['iteration']} has no {POSITION_METRIC}")
     return (last["iteration"] + 1) * per_iteration
+
+
+def check_sft_labels(cfg, records: list[dict], source: str) -> None:
+    """The SFT warm-up trains on each row's label as the response: a row without one (a null
+    label, allowed for a custom reward) was trained as the text "None". Refused before a new
+    run is recorded (``infra.startup.check_data``), naming the row, while the warm-up is on; a
+    resume is not refused (its warm-up may be long done)."""
+    if not (cfg.sft.enabled and cfg.sft.steps > 0):
+        return
+    for i, rec in enumerate(records):
+        if rec.get("label") is None:
+            key = cfg.data.label_key
+            what = f"a null '{key}'" if key else "no label (data.label_key is null)"
+            raise ValueError(f"{locate(source, rec.get('row', i))}: {what}, and the SFT warm-up "
+                             "trains on labels; give every row a label, or set sft.enabled=false")

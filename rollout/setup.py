@@ -10,7 +10,6 @@ from rollout.data import (
     check_prompt_lengths,
     drop_long_prompts,
     load_prompt_file,
-    locate,
     next_data_position,
 )
 from rollout.evaluation import build_eval_sets
@@ -39,21 +38,6 @@ def load_run_data(cfg, tokenizer) -> tuple[PromptDataset, list[dict]]:
     dataset = PromptDataset(records, seed=cfg.seed, shuffle=d.rollout_shuffle, source=source,
                             skipped_too_long=skipped)
     return dataset, (split.held_out if split else [])
-
-
-def check_sft_labels(cfg, records: list[dict], source: str) -> None:
-    """The SFT warm-up trains on each row's label as the response: a row without one (a null
-    label, allowed for a custom reward) was trained as the text "None". Refused before a new
-    run is recorded (``infra.startup.check_data``), naming the row, while the warm-up is on; a
-    resume is not refused (its warm-up may be long done)."""
-    if not (cfg.sft.enabled and cfg.sft.steps > 0):
-        return
-    for i, rec in enumerate(records):
-        if rec.get("label") is None:
-            key = cfg.data.label_key
-            what = f"a null '{key}'" if key else "no label (data.label_key is null)"
-            raise ValueError(f"{locate(source, rec.get('row', i))}: {what}, and the SFT warm-up "
-                             "trains on labels; give every row a label, or set sft.enabled=false")
 
 
 # the names HF configs give the context length (transformers' attribute maps: GPT-2's

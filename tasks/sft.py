@@ -27,7 +27,7 @@ def sft_prompt_ids(rt: Runtime, record: dict) -> list[int]:
 
 def sft_batch(rt: Runtime, step: int) -> TrainBatch:
     """Batch ``step`` of the seeded data order: responses are the labels followed by EOS (every
-    row has one: ``rollout.setup.check_sft_labels`` refused the data at start-up otherwise)."""
+    row has one: ``rollout.data.check_sft_labels`` refused the data at start-up otherwise)."""
     size = rt.cfg.sft.batch_size
     records = [rec for _, rec in rt.dataset.take(step * size, size)]
     tok = rt.tokenizer

@@ -386,3 +386,12 @@ def test_lineage_of_a_run_the_lake_does_not_hold_says_so(lake):
         version_lineage(lake, "nosuch", 1)
     with pytest.raises(ValueError, match="run 'r' has no train step producing weight version 1"):
         version_lineage(lake, "r", 1)
+
+
+def test_the_light_table_names_are_the_schemas_tables():
+    """``buffer.names.TABLE_NAMES`` (the CLI's choices, read without pyarrow) names the tables
+    ``buffer.schema.TABLES`` defines, in its order."""
+    from buffer.names import TABLE_NAMES
+    from buffer.schema import TABLES
+
+    assert TABLE_NAMES == tuple(TABLES)

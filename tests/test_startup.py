@@ -12,13 +12,14 @@ import os
 import signal
 import sqlite3
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from infra.recovery import prefect_servers
-from tests.opshelp import TINY, cli_env, rlake, tail
+from tests.opshelp import ROOT, TINY, cli_env, rlake, tail
 
 FAST = [*TINY, "--set", "num_rollout=1", "--set", "eval.eval_interval=1"]
 
@@ -466,3 +467,42 @@ def test_a_run_is_recorded_with_its_local_paths_absolute(tmp_path, monkeypatch):
     assert recorded["data"]["prompt_data"] == f"{tmp_path / 'data' / 'p.jsonl'}@[0:8]"
     assert recorded["rollout"]["custom_rm_path"] == "tests.opshelp:length_reward"
     assert RunConfig.model_validate(recorded).num_rollout == cfg.num_rollout
+
+
+# Writes, in order and with the writer's pid, the first import of the lake's heavy modules and
+# the spawn of Prefect's server (the audit events Python raises for both).
+ORDER_HOOK = """
+import os, sys
+_log = open(os.environ["RLAKE_TEST_ORDER_LOG"], "a")
+def _hook(event, args):
+    if event == "import" and args[0] in ("pyarrow", "deltalake", "duckdb", "torch"):
+        _log.write(f"{os.getpid()} import {args[0]}\\n"); _log.flush()
+    elif event == "subprocess.Popen" and "infra.prefect_app:create_app" in " ".join(map(str, args[1] or [])):
+        _log.write(f"{os.getpid()} server\\n"); _log.flush()
+sys.addaudithook(_hook)
+"""
+
+
+def test_a_new_run_spawns_prefects_server_before_it_imports_the_lake(tmp_path):
+    """The server's ~4 s start is the startup's path: a new run spawns it before its process
+    imports pyarrow or deltalake (~0.4 s), and importing the CLI imports neither (it did, for
+    the lake commands' option defaults: the server started ~0.5 s later)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(ORDER_HOOK)
+    order = tmp_path / "order.log"
+    env = cli_env(None, PYTHONPATH=str(hook), RLAKE_TEST_ORDER_LOG=str(order))
+    proc = subprocess.run([sys.executable, "-c", "import infra.cli"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert order.read_text() == "", "importing the CLI imported: " + order.read_text()
+    home = tmp_path / "home"
+    log = tmp_path / "run.log"
+    assert rlake(_args(home, "order"), env, log).returncode == 0, tail(log)
+    lines = order.read_text().splitlines()
+    (spawned,) = [line for line in lines if line.endswith(" server")]
+    pid = spawned.split()[0]
+    mine = [line.split(" ", 1)[1] for line in lines if line.split()[0] == pid]
+    first = mine.index("server")
+    assert {"import pyarrow", "import deltalake", "import torch"} <= set(mine[first:]), mine
+    assert not [e for e in mine[:first] if e.startswith("import ")], mine
