@@ -302,7 +302,10 @@ def prepared_run(cfg: RunConfig, run_id: str | None, resume: bool,
             with prefect_served(cfg, run_id, open_pipeline, server):
                 yield run_id, opened[0]
         finally:
-            release_run(run_dir)
+            try:
+                servers.close()  # the server stopped before the run is released, as before
+            finally:
+                release_run(run_dir)
 
 
 def failed_at_start(lake, cfg: RunConfig, run_id: str, err: Exception) -> str:
